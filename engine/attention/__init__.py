@@ -1,0 +1,1 @@
+"""Attention backends over the shared paged KV layout (see base.py)."""

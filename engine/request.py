@@ -1,0 +1,119 @@
+"""One generation request as the scheduler and KV cache manager see it.
+
+A request has no prefill or decode phase: it has `num_computed_tokens` (tokens whose K/V
+sit in the cache) and `num_tokens` (prompt + output so far). Each step the scheduler hands
+it some of the difference. `n > 1` requests are split by the engine into one `Request` per
+sample; samples after the first carry `fork_from`, the id of the first, so the scheduler can
+share its prompt blocks instead of prefilling the prompt again.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue after losing its blocks
+    FINISHED_STOPPED = 3  # EOS, stop token id or stop string
+    FINISHED_LENGTH = 4  # max_tokens or max_model_len
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class RequestTimes:
+    """Engine-side timestamps (time.monotonic()), the source of metrics and trace spans."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    preempted: list[float] = field(default_factory=list)
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        fork_from: str | None = None,
+        max_tokens: int | None = None,
+    ):
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.fork_from = fork_from
+        # Effective output cap: sampling_params.max_tokens clipped to the context left.
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at first scheduling (for metrics/traces).
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.times = RequestTimes()
+        if arrival_time is not None:
+            self.times.arrival = arrival_time
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,146 @@
+"""Sampling parameters: every OpenAI / vLLM sampling field, validated on construction.
+
+A `ValueError` from here names the offending field first (`"temperature: must be >= 0"`), so
+the frontends can turn it into a 400 (or INVALID_ARGUMENT) with `param` set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling field; `param` names it."""
+
+    def __init__(self, param: str, reason: str):
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+        self.reason = reason
+
+
+def _check(cond: bool, param: str, reason: str) -> None:
+    if not cond:
+        raise SamplingParamsError(param, reason)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per generated token (0 = chosen only)
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise SamplingParamsError(
+                    "logit_bias", "keys must be token ids and values numbers"
+                ) from e
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        _check(self.temperature >= 0.0, "temperature", "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", "must be -1 (disabled) or >= 1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
+        if self.max_tokens is not None:
+            _check(
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "max_tokens",
+                "must be an integer >= 1",
+            )
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None:
+            _check(0 <= self.prompt_logprobs <= 20, "prompt_logprobs", "must be in [0, 20]")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", "must be an integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative token ids",
+        )
+        if self.logit_bias is not None:
+            _check(
+                all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                "logit_bias",
+                "values must be in [-100, 100]",
+            )
+            _check(all(k >= 0 for k in self.logit_bias), "logit_bias", "keys must be token ids")
+        if self.allowed_token_ids is not None:
+            _check(
+                len(self.allowed_token_ids) > 0
+                and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be a non-empty list of token ids",
+            )
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Checks token ids against the model's vocabulary (the engine knows its size)."""
+        for name, ids in (
+            ("logit_bias", list(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            _check(not bad, name, f"token id {bad[:1]} is outside the vocabulary ({vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.beam_width >= 1, "beam_width", "must be >= 1")
+        _check(self.max_tokens >= 1, "max_tokens", "must be >= 1")

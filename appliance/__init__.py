@@ -1,0 +1,1 @@
+"""The product: CLI, config loading, HTTP and gRPC frontends, telemetry, metrics."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP frontend (Starlette + uvicorn) over an AsyncEngine."""

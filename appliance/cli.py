@@ -1,0 +1,190 @@
+"""`appliance` command line: serve, generate, config show.
+
+    appliance serve [--config FILE] [--set section.key=value ...]
+    appliance generate "prompt" [--max-tokens N] [--temperature T] [--chat] [--config/--set]
+    appliance config show [--config FILE] [--set ...] [--show-secrets]
+
+Exit status: 0 on success (including a graceful SIGTERM), 2 for a bad config or bad
+arguments (the message names the key), 1 when the engine or server fails to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from appliance.config import AppConfig, ConfigError, dump_config, load_config
+from appliance.logs import configure_logging, log_event
+
+logger = logging.getLogger("appliance.cli")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config", "-c", metavar="FILE", help="YAML config (default: $APPLIANCE_CONFIG)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, e.g. --set scheduler.max_num_seqs=64 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="appliance", description="LLM inference appliance")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_config_args(serve)
+
+    gen = sub.add_parser("generate", help="one-shot generation with the offline engine")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _add_config_args(gen)
+
+    cfg = sub.add_parser("config", help="configuration commands")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    show = cfg_sub.add_parser("show", help="print the effective configuration as YAML")
+    show.add_argument("--show-secrets", action="store_true", help="do not redact api keys")
+    _add_config_args(show)
+    return parser
+
+
+def _load(args: argparse.Namespace) -> AppConfig:
+    return load_config(args.config, args.overrides, os.environ)
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    sys.stdout.write(dump_config(_load(args), redact=not args.show_secrets))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    configure_logging(cfg.telemetry.log_level, cfg.telemetry.log_format)
+    from appliance.http.app import build_app
+    from appliance.http.server import serve_forever
+    from engine.async_engine import AsyncEngine
+
+    log_event(logger, "starting", config=args.config or os.environ.get("APPLIANCE_CONFIG"))
+    t0 = time.perf_counter()
+    aeng = AsyncEngine.from_config(cfg.engine_config())
+    stats = aeng.stats()
+    log_event(
+        logger,
+        "engine ready",
+        model=aeng.model_name,
+        path=cfg.model.path or "default",
+        device=str(aeng.engine.device),
+        kv_blocks=stats.num_blocks,
+        block_size=cfg.cache.block_size,
+        max_model_len=aeng.max_model_len,
+        load_s=round(time.perf_counter() - t0, 2),
+    )
+    log_event(
+        logger,
+        "frontends",
+        host=cfg.server.host,
+        http_port=cfg.server.http_port,
+        grpc_port=cfg.server.grpc_port,
+        api_keys=len(cfg.server.api_keys),
+        cors=bool(cfg.server.cors_origins),
+    )
+
+    from appliance.grpc.server import GrpcSettings, start_grpc_server
+    from appliance.telemetry import instrument_app, setup_tracing
+
+    tracing = setup_tracing(cfg.telemetry)  # None when telemetry.otlp_endpoint is unset
+
+    async def main() -> None:
+        app = instrument_app(build_app(aeng, cfg.server, tracing=tracing), tracing)
+        grpc_server = None
+        if cfg.server.grpc_port is not None:
+            grpc_server = await start_grpc_server(
+                aeng, GrpcSettings.from_server_config(cfg.server), tracing
+            )
+
+        def stop_grpc() -> None:
+            # Refuse new gRPC calls at once; running ones get the same grace as HTTP.
+            if grpc_server is not None:
+                asyncio.get_running_loop().create_task(
+                    grpc_server.stop(cfg.server.shutdown_grace_s)
+                )
+
+        try:
+            await serve_forever(app, cfg.server, on_shutdown=stop_grpc)
+        finally:
+            if grpc_server is not None:
+                await grpc_server.stop(cfg.server.shutdown_grace_s)
+            await aeng.shutdown(grace_s=0)
+            if tracing is not None:
+                tracing.shutdown()  # flush spans
+
+    asyncio.run(main())
+    log_event(logger, "stopped")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    configure_logging(
+        "warning" if cfg.telemetry.log_level == "info" else cfg.telemetry.log_level,
+        cfg.telemetry.log_format,
+    )
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(cfg.engine_config())
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    engine.add_request("generate-0", prompt, params)
+    sent = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[sent:])
+            sys.stdout.flush()
+            sent = len(text)
+            if out.error:
+                raise RuntimeError(out.error)
+    sys.stdout.write("\n")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "config": cmd_config_show}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        print(f"appliance: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from engine.errors import InvalidRequestError
+
+        if isinstance(e, InvalidRequestError | ValueError) and args.command == "generate":
+            print(f"appliance: {e}", file=sys.stderr)
+            return 2
+        logger.critical("failed", exc_info=True)
+        print(f"appliance: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,165 @@
+"""The appliance's configuration: the engine's sections plus graphs, server and telemetry.
+
+Every section is a frozen dataclass whose defaults are the documented defaults (and what
+`config/default.yaml` spells out). The engine's own sections (`model`, `cache`,
+`scheduler`) are reused as they are; `graphs` and `runtime` are split here for the YAML's
+sake and folded into the engine's single `RuntimeConfig` by `AppConfig.engine_config()`.
+Checks raise `ConfigError` naming the key's dotted path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+)
+
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("logfmt", "json")
+
+
+def _require(cond: bool, key: str, reason: str) -> None:
+    if not cond:
+        raise ConfigError(key, reason)
+
+
+def _valid_port(port: int) -> bool:
+    return 0 <= port <= 65535
+
+
+@dataclass(frozen=True)
+class GraphsConfig:
+    """torch.compile and CUDA-graph policy (folded into the engine's RuntimeConfig)."""
+
+    cuda_graphs: bool = True
+    # Batch sizes to capture; None: 1, 2, 4, 8, 16, ... up to scheduler.max_num_seqs.
+    capture_sizes: tuple[int, ...] | None = None
+    compile: bool = False
+    compile_cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeSection:
+    """Where the model runs (the YAML's `runtime` section)."""
+
+    device: str = "auto"
+    num_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP (and gRPC) frontends."""
+
+    host: str = "127.0.0.1"
+    # 0 picks a free port (logged at start).
+    http_port: int = 8000
+    # None disables the gRPC frontend.
+    grpc_port: int | None = 50051
+    # Empty: no authentication. Otherwise `Authorization: Bearer <key>` on /v1/*, /tokenize
+    # and /detokenize.
+    api_keys: tuple[str, ...] = ()
+    # Bytes; larger request bodies get 413.
+    max_request_body: int = 8 * 1024 * 1024
+    # Empty: CORS off. ["*"] allows any origin.
+    cors_origins: tuple[str, ...] = ()
+    # Seconds in-flight requests may take to finish after SIGTERM.
+    shutdown_grace_s: float = 30.0
+    # Prompts and outputs appear in logs only when true.
+    log_prompts: bool = False
+
+    def __post_init__(self) -> None:
+        _require(bool(self.host), "server.host", "must not be empty")
+        _require(_valid_port(self.http_port), "server.http_port", "must be in [0, 65535]")
+        if self.grpc_port is not None:
+            _require(_valid_port(self.grpc_port), "server.grpc_port", "must be in [0, 65535]")
+            _require(
+                self.grpc_port == 0 or self.grpc_port != self.http_port,
+                "server.grpc_port",
+                "must differ from server.http_port",
+            )
+        _require(all(self.api_keys), "server.api_keys", "keys must be non-empty strings")
+        _require(self.max_request_body >= 1024, "server.max_request_body", "must be >= 1024")
+        _require(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Logs, Prometheus and OpenTelemetry export."""
+
+    # None: tracing off. E.g. http://collector:4317 (grpc) or http://collector:4318 (http).
+    otlp_endpoint: str | None = None
+    otlp_protocol: str = "grpc"
+    otlp_headers: dict[str, str] = field(default_factory=dict)
+    service_name: str = "appliance"
+    # Fraction of requests traced (parent-based when a traceparent arrives).
+    sampling_ratio: float = 1.0
+    log_level: str = "info"
+    log_format: str = "logfmt"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.otlp_protocol in OTLP_PROTOCOLS,
+            "telemetry.otlp_protocol",
+            f"must be one of {OTLP_PROTOCOLS}",
+        )
+        _require(bool(self.service_name), "telemetry.service_name", "must not be empty")
+        _require(0.0 <= self.sampling_ratio <= 1.0, "telemetry.sampling_ratio", "must be in [0, 1]")
+        _require(
+            self.log_level in LOG_LEVELS, "telemetry.log_level", f"must be one of {LOG_LEVELS}"
+        )
+        _require(
+            self.log_format in LOG_FORMATS, "telemetry.log_format", f"must be one of {LOG_FORMATS}"
+        )
+
+
+# The YAML's sections, in the order they are documented and printed.
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "graphs": GraphsConfig,
+    "runtime": RuntimeSection,
+    "server": ServerConfig,
+    "telemetry": TelemetryConfig,
+}
+
+# Engine RuntimeConfig fields that the YAML spells under `graphs`.
+_GRAPHS_FIELDS = tuple(f.name for f in dataclasses.fields(GraphsConfig))
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Everything one YAML file configures."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    graphs: GraphsConfig = field(default_factory=GraphsConfig)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's view; a RuntimeConfig error on a graphs field is renamed to graphs.*."""
+        try:
+            runtime = RuntimeConfig(
+                device=self.runtime.device,
+                num_threads=self.runtime.num_threads,
+                **{name: getattr(self.graphs, name) for name in _GRAPHS_FIELDS},
+            )
+        except ConfigError as e:
+            name = e.key.split(".", 1)[-1]
+            if name in _GRAPHS_FIELDS:
+                raise ConfigError(f"graphs.{name}", e.reason) from None
+            raise
+        return EngineConfig(
+            model=self.model, cache=self.cache, scheduler=self.scheduler, runtime=runtime
+        )

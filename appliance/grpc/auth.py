@@ -1,0 +1,81 @@
+"""API-key check for every gRPC method: `authorization: Bearer <key>` metadata.
+
+The same keys as the HTTP API. Health checks and Triton's ServerLive/ServerReady stay open
+so that orchestrator probes, which cannot send metadata, keep working.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+
+EXEMPT_METHODS = frozenset(
+    {
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+        "/inference.GRPCInferenceService/ServerLive",
+        "/inference.GRPCInferenceService/ServerReady",
+    }
+)
+_MESSAGE = "a valid `authorization: Bearer <api key>` metadata entry is required"
+
+
+def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> bytes | None:
+    for key, value in metadata or ():
+        if key.lower() != "authorization" or not isinstance(value, str):
+            continue
+        scheme, _, token = value.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip().encode()
+    return None
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without a valid key with UNAUTHENTICATED, before the handler runs."""
+
+    def __init__(self, api_keys: Iterable[str], exempt: frozenset[str] = EXEMPT_METHODS):
+        self._keys = [k.encode() for k in api_keys]
+        self._exempt = exempt
+
+    def authorized(self, metadata: Iterable[tuple[str, Any]] | None) -> bool:
+        token = bearer_token(metadata)
+        if token is None:
+            return False
+        ok = False
+        for key in self._keys:  # compare with every key: the time taken says nothing
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method in self._exempt:
+            return handler
+        if self.authorized(details.invocation_metadata):
+            return handler
+        return _denying(handler)
+
+
+def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
+
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny, **kw)
+    return grpc.unary_unary_rpc_method_handler(deny, **kw)

@@ -1,0 +1,240 @@
+"""`inference.GRPCInferenceService`: KServe v2 / Triton clients (tritonclient) work unchanged.
+
+Generation follows Triton's vLLM backend (see kserve_tensors.py for the tensors): with
+`stream` true, ModelStreamInfer sends one response per engine step holding each sample's new
+text; otherwise one response with the whole text (prompt first unless
+`exclude_input_in_output`). Responses carry the request's `id`, so a client can interleave
+many requests on one bidirectional stream. Errors inside the stream arrive as
+`error_message` responses and the stream goes on, as Triton does; the unary rpcs use gRPC
+statuses (NOT_FOUND for an unknown model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from appliance.grpc import errors
+from appliance.grpc.errors import RpcError
+from appliance.grpc.kserve_tensors import INPUTS, OUTPUTS, LLMRequest, infer_response, parse_request
+from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
+from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc
+from appliance.grpc.streaming import DeltaTracker, Generation
+from appliance.telemetry import Tracing, record_request_span
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+_VERSIONS = ("", "1")
+
+
+def _field_of(param: str | None) -> str:
+    if param in _SAMPLING_FIELDS:
+        return f"sampling_parameters.{param}"
+    if param in (None, "prompt"):
+        return "text_input"
+    return param
+
+
+def _wants_final_flag(req: kpb.ModelInferRequest) -> bool:
+    p = req.parameters.get("triton_enable_empty_final_response")
+    return p is not None and p.bool_param
+
+
+class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
+    """Serves the engine's one model as a KServe v2 model named `model_name`, version "1"."""
+
+    def __init__(
+        self,
+        async_engine: Any,
+        model_name: str,
+        tracing: Tracing | None = None,
+        server_version: str = "0.1.0",
+    ):
+        self._engine = async_engine
+        self._model = model_name
+        self._tracing = tracing
+        self._version = server_version
+
+    def _known(self, name: str, version: str) -> bool:
+        return name == self._model and version in _VERSIONS
+
+    def _check_model(self, name: str, version: str) -> None:
+        if not self._known(name, version):
+            raise RpcError(
+                grpc.StatusCode.NOT_FOUND,
+                f"Request for unknown model: '{name}' version '{version}' is not found",
+            )
+
+    # ---- health and metadata ----------------------------------------------------------------
+    async def ServerLive(self, request: Any, context: Any) -> kpb.ServerLiveResponse:
+        return kpb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> kpb.ServerReadyResponse:
+        return kpb.ServerReadyResponse(ready=bool(self._engine.is_healthy))
+
+    async def ModelReady(self, request: Any, context: Any) -> kpb.ModelReadyResponse:
+        ready = self._known(request.name, request.version) and bool(self._engine.is_healthy)
+        return kpb.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> kpb.ServerMetadataResponse:
+        return kpb.ServerMetadataResponse(name="appliance", version=self._version, extensions=[])
+
+    async def ModelMetadata(
+        self, request: kpb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> kpb.ModelMetadataResponse:
+        try:
+            self._check_model(request.name, request.version)
+        except RpcError as e:
+            await errors.abort(context, e)
+        meta = kpb.ModelMetadataResponse(name=self._model, versions=["1"], platform="appliance")
+        for name, datatype, shape in INPUTS:
+            meta.inputs.add(name=name, datatype=datatype, shape=shape)
+        for name, datatype, shape in OUTPUTS:
+            meta.outputs.add(name=name, datatype=datatype, shape=shape)
+        return meta
+
+    # ---- inference --------------------------------------------------------------------------
+    async def ModelInfer(
+        self, request: kpb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> kpb.ModelInferResponse:
+        """The whole generation in one response (`stream` must be false here)."""
+        result = None
+        try:
+            self._check_model(request.model_name, request.model_version)
+            parsed = parse_request(request)
+            if parsed.stream:
+                raise errors.invalid("stream", "ModelInfer is unary; stream with ModelStreamInfer")
+            async for resp in self._generate(request, parsed, context.invocation_metadata()):
+                result = resp
+        except RpcError as e:
+            await errors.abort(context, e)
+        except errors.ENGINE_ERRORS as e:
+            await errors.abort(context, errors.from_engine_error(e, _field_of))
+        return result
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[kpb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[kpb.ModelStreamInferResponse]:
+        """Runs every request read from the stream concurrently; ends once all are done."""
+        out: asyncio.Queue[kpb.ModelStreamInferResponse | None] = asyncio.Queue()
+        carrier = context.invocation_metadata()
+        tasks: set[asyncio.Task] = set()
+
+        async def read() -> None:
+            try:
+                async for req in request_iterator:
+                    task = asyncio.create_task(self._stream_one(req, carrier, out.put_nowait))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                while tasks:  # the client half-closed: finish what it asked for
+                    await asyncio.wait(set(tasks))
+            finally:
+                out.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+            await reader
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()  # a cancelled call aborts every request it started
+
+    async def _stream_one(
+        self,
+        req: kpb.ModelInferRequest,
+        carrier: Any,
+        emit: Callable[[kpb.ModelStreamInferResponse], None],
+    ) -> None:
+        def fail(message: str) -> None:
+            head = kpb.ModelInferResponse(model_name=req.model_name, id=req.id)
+            emit(kpb.ModelStreamInferResponse(error_message=message, infer_response=head))
+
+        try:
+            self._check_model(req.model_name, req.model_version)
+            parsed = parse_request(req)
+            async for resp in self._generate(req, parsed, carrier):
+                emit(kpb.ModelStreamInferResponse(infer_response=resp))
+        except RpcError as e:
+            fail(e.message)
+        except errors.ENGINE_ERRORS as e:
+            fail(errors.from_engine_error(e, _field_of).message)
+
+    async def _generate(
+        self, req: kpb.ModelInferRequest, parsed: LLMRequest, carrier: Any
+    ) -> AsyncIterator[kpb.ModelInferResponse]:
+        # Client ids ("1", "2", ...) collide across clients; the engine gets its own.
+        gen = Generation(self._engine, parsed.text, parsed.params, f"kserve-{uuid.uuid4().hex}")
+        final_flag = _wants_final_flag(req)
+        error: str | None = None
+        try:
+            if parsed.stream:
+                tracker = DeltaTracker()
+                async for out in gen.outputs():
+                    deltas = {d.index: d for d in tracker.update(out)}
+                    if deltas:
+                        texts = [
+                            deltas[i].text if i in deltas else "" for i in range(parsed.params.n)
+                        ]
+                        counts = [
+                            len(deltas[i].token_ids) if i in deltas else 0
+                            for i in range(len(texts))
+                        ]
+                        final = out.finished if final_flag else None
+                        yield self._response(req, parsed, out, texts, counts, final)
+            else:
+                last = None
+                async for out in gen.outputs():
+                    last = out
+                if last is not None:
+                    prefix = "" if parsed.exclude_input else parsed.text
+                    outs = _by_index(last)
+                    texts = [prefix + c.text for c in outs]
+                    counts = [len(c.token_ids) for c in outs]
+                    yield self._response(
+                        req, parsed, last, texts, counts, True if final_flag else None
+                    )
+        except errors.ENGINE_ERRORS as e:
+            error = str(e)
+            raise
+        finally:
+            gen.close()
+            unfinished = gen.last is None or not gen.last.finished
+            record_request_span(
+                self._tracing, carrier, gen.last, operation="text_completion",
+                model=self._model, params=parsed.params, request_id=gen.request_id,
+                error=error, aborted=unfinished and not error,
+            )  # fmt: skip
+
+    def _response(
+        self,
+        req: kpb.ModelInferRequest,
+        parsed: LLMRequest,
+        out: RequestOutput,
+        texts: list[str],
+        token_counts: list[int],
+        final: bool | None,
+    ) -> kpb.ModelInferResponse:
+        flags = parsed.flags
+        reasons = [c.finish_reason or "" for c in _by_index(out)]
+        return infer_response(
+            req,
+            self._model,
+            texts,
+            finish_reasons=reasons if flags.get("return_finish_reason") else None,
+            num_input_tokens=(
+                len(out.prompt_token_ids) if flags.get("return_num_input_tokens") else None
+            ),
+            num_output_tokens=token_counts if flags.get("return_num_output_tokens") else None,
+            final=final,
+        )
+
+
+def _by_index(out: RequestOutput) -> list[Any]:
+    return sorted(out.outputs, key=lambda c: c.index)

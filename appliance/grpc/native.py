@@ -1,0 +1,235 @@
+"""The native `appliance.v1.Appliance` service: typed, streaming generation over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from appliance.grpc import errors
+from appliance.grpc.errors import RpcError, invalid
+from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
+from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
+from appliance.grpc.streaming import DeltaTracker, Generation, SampleDelta, usage_counts
+from appliance.telemetry import Tracing, record_request_span
+from engine.sampling_params import SamplingParams
+
+# Proto fields copied as they are when set (the `optional` scalars).
+_OPTIONAL_SCALARS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "logprobs", "skip_special_tokens",
+    "spaces_between_special_tokens",
+)  # fmt: skip
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+# Prompts longer than this are tokenized off the event loop.
+_OFFLOAD_CHARS = 8192
+
+
+def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
+    """Engine SamplingParams from the proto; raises SamplingParamsError naming the field."""
+    kw: dict[str, Any] = {
+        name: getattr(sp, name) for name in _OPTIONAL_SCALARS if sp.HasField(name)
+    }
+    if sp.HasField("max_tokens"):
+        kw["max_tokens"] = sp.max_tokens or None
+    kw["stop"] = list(sp.stop)
+    kw["stop_token_ids"] = list(sp.stop_token_ids)
+    kw["include_stop_str_in_output"] = sp.include_stop_str_in_output
+    kw["ignore_eos"] = sp.ignore_eos
+    kw["min_tokens"] = sp.min_tokens
+    if sp.logit_bias:
+        kw["logit_bias"] = dict(sp.logit_bias)
+    if sp.allowed_token_ids:
+        kw["allowed_token_ids"] = list(sp.allowed_token_ids)
+    return SamplingParams(**kw)
+
+
+def _chat_messages(chat: pb.Chat) -> list[dict[str, str]]:
+    if not chat.messages:
+        raise invalid("chat.messages", "must not be empty")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+class ApplianceServicer(pb_grpc.ApplianceServicer):
+    """Serves one model from an AsyncEngine. See appliance.proto for the contract."""
+
+    def __init__(self, async_engine: Any, model_name: str, tracing: Tracing | None = None):
+        self._engine = async_engine
+        self._model = model_name
+        self._tracing = tracing
+        # In-flight Generate calls of this server, for Abort.
+        self._active: dict[str, Generation] = {}
+
+    # ---- helpers ----------------------------------------------------------------------------
+    @property
+    def _tokenizer(self) -> Any:
+        return self._engine.engine.tokenizer
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self._model:
+            raise RpcError(
+                grpc.StatusCode.NOT_FOUND, f"model: {model!r} is not served here ({self._model!r})"
+            )
+
+    async def _render_chat(self, chat: pb.Chat) -> list[int]:
+        messages = _chat_messages(chat)
+        add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        try:
+            return self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
+        except ValueError as e:
+            raise invalid("chat.messages", str(e).removeprefix("messages: ")) from e
+
+    async def _prompt(self, request: pb.GenerateRequest) -> tuple[str | list[int], str, str]:
+        """(prompt, GenAI operation name, the request field that held the prompt)."""
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return request.text, "text_completion", "text"
+        if kind == "token_ids":
+            return list(request.token_ids.ids), "text_completion", "token_ids.ids"
+        if kind == "chat":
+            return await self._render_chat(request.chat), "chat", "chat.messages"
+        raise invalid("prompt", "one of text, token_ids or chat is required")
+
+    # ---- rpcs -------------------------------------------------------------------------------
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        params: SamplingParams | None = None
+        operation, prompt_field = "text_completion", "prompt"
+        gen: Generation | None = None
+        error: str | None = None
+
+        def field_of(param: str | None) -> str:
+            if param in _SAMPLING_FIELDS:
+                return f"sampling.{param}"
+            if param in (None, "prompt", "messages"):
+                return prompt_field
+            return param
+
+        try:
+            self._check_model(request.model)
+            prompt, operation, prompt_field = await self._prompt(request)
+            params = sampling_from_proto(request.sampling)
+            rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+            if rid in self._active:
+                raise invalid("request_id", f"{rid!r} is already in flight")
+            gen = Generation(self._engine, prompt, params, rid, request.priority)
+            self._active[rid] = gen
+            tracker = DeltaTracker()
+            async for out in gen.outputs():
+                deltas = tracker.update(out)
+                for i, d in enumerate(deltas):
+                    last = out.finished and i == len(deltas) - 1
+                    yield self._response(rid, d, out if last else None)
+            if gen.aborted:
+                deltas = tracker.abort_rest(params.n)
+                for i, d in enumerate(deltas):
+                    yield self._response(rid, d, gen.last if i == len(deltas) - 1 else None)
+        except RpcError as e:
+            error = e.message
+            await errors.abort(context, e)
+        except errors.ENGINE_ERRORS as e:
+            err = errors.from_engine_error(e, field_of)
+            error = err.message
+            await errors.abort(context, err)
+        finally:
+            if gen is not None:
+                self._active.pop(gen.request_id, None)
+                gen.close()
+                unfinished = gen.last is None or not gen.last.finished
+                record_request_span(
+                    self._tracing, context.invocation_metadata(), gen.last,
+                    operation=operation, model=self._model, params=gen.params,
+                    request_id=gen.request_id, error=error, aborted=unfinished and not error,
+                )  # fmt: skip
+
+    def _response(self, rid: str, d: SampleDelta, final: Any) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(
+            request_id=rid,
+            index=d.index,
+            text=d.text,
+            token_ids=d.token_ids,
+            finish_reason=d.finish_reason or "",
+        )
+        for lp in d.logprobs:
+            resp.logprobs.add(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                rank=lp.rank,
+                top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+            )
+        if isinstance(d.stop_reason, str):
+            resp.stop_string = d.stop_reason
+        elif isinstance(d.stop_reason, int):
+            resp.stop_token_id = d.stop_reason
+        if final is not None:
+            prompt, completion, cached = usage_counts(final)
+            resp.usage.CopyFrom(
+                pb.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+            )
+        return resp
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        try:
+            self._check_model(request.model)
+            kind = request.WhichOneof("input")
+            if kind == "chat":
+                ids = await self._render_chat(request.chat)
+            elif kind == "text":
+                add_special = (
+                    request.add_special_tokens if request.HasField("add_special_tokens") else True
+                )
+                encode = self._tokenizer.encode
+                if len(request.text) > _OFFLOAD_CHARS:
+                    ids = await asyncio.to_thread(encode, request.text, add_special)
+                else:
+                    ids = encode(request.text, add_special_tokens=add_special)
+            else:
+                raise invalid("input", "one of text or chat is required")
+        except RpcError as e:
+            await errors.abort(context, e)
+        return pb.TokenizeResponse(
+            token_ids=ids, count=len(ids), max_model_len=self._engine.engine.max_model_len
+        )
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        try:
+            self._check_model(request.model)
+            vocab = self._tokenizer.vocab_size
+            bad = [t for t in request.token_ids if t >= vocab]
+            if bad:
+                raise invalid("token_ids", f"token id {bad[0]} is outside the vocabulary ({vocab})")
+        except RpcError as e:
+            await errors.abort(context, e)
+        return pb.DetokenizeResponse(text=self._tokenizer.decode(list(request.token_ids)))
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        model = pb.Model(
+            id=self._model, max_model_len=self._engine.engine.max_model_len, owned_by="appliance"
+        )
+        return pb.ListModelsResponse(models=[model])
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        gen = self._active.get(request.request_id)
+        if gen is None:
+            await errors.abort(
+                context,
+                RpcError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"request_id: no Generate call {request.request_id!r} in flight",
+                    None,
+                ),
+            )
+        gen.abort()
+        return pb.AbortResponse()

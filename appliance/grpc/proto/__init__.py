@@ -1,0 +1,1 @@
+"""Protocol definitions (.proto) and the Python stubs generated from them (`make proto`)."""

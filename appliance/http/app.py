@@ -1,0 +1,115 @@
+"""The Starlette app: routes from the OpenAPI table, error handlers, middleware, state.
+
+`build_app` does not own the AsyncEngine (several frontends may share it); whoever made
+the engine shuts it down. The middleware order, outermost first: CORS (only when
+configured, so preflights never need a key), access log, API-key check, the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from appliance.config import ServerConfig
+from appliance.http import routes
+from appliance.http.chat import create_chat_completion
+from appliance.http.completions import create_completion
+from appliance.http.errors import (
+    APIError,
+    api_error_handler,
+    http_exception_handler,
+    unhandled_error_handler,
+)
+from appliance.http.middleware import AccessLogMiddleware, AuthMiddleware
+from appliance.http.openapi import ROUTES, build_openapi
+from appliance.http.serving import AppState
+from appliance.http.tracing_hook import HttpRequestTracer
+from appliance.metrics import ApplianceMetrics
+from appliance.telemetry import Tracing
+from engine.async_engine import AsyncEngine
+
+ENDPOINTS = {
+    ("POST", "/v1/completions"): create_completion,
+    ("POST", "/v1/chat/completions"): create_chat_completion,
+    ("GET", "/v1/models"): routes.list_models,
+    ("GET", "/v1/models/{model}"): routes.retrieve_model,
+    ("POST", "/tokenize"): routes.tokenize,
+    ("POST", "/detokenize"): routes.detokenize,
+    ("GET", "/health"): routes.health,
+    ("GET", "/ready"): routes.ready,
+    ("GET", "/version"): routes.version,
+    ("GET", "/metrics"): routes.metrics,
+}
+
+
+def build_app(
+    aeng: AsyncEngine,
+    server: ServerConfig | None = None,
+    version: str | None = None,
+    metrics: ApplianceMetrics | None = None,
+    tracing: Tracing | None = None,
+) -> Starlette:
+    """An ASGI app serving `aeng`; `metrics` defaults to a fresh per-app registry."""
+    server = server or ServerConfig()
+    version = version or _package_version()
+    documented = {(r.method, r.path) for r in ROUTES}
+    assert documented == set(ENDPOINTS), documented ^ set(ENDPOINTS)
+    metrics = metrics or ApplianceMetrics(aeng)
+    state = AppState(aeng=aeng, server=server, metrics=metrics, version=version)
+    if tracing is not None:
+        state.tracer = HttpRequestTracer(tracing, aeng)
+    openapi = build_openapi(version)
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(openapi)
+
+    route_list = [Route(path, fn, methods=[method]) for (method, path), fn in ENDPOINTS.items()]
+    route_list.append(Route("/openapi.json", openapi_json, methods=["GET"]))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        state.shutting_down = True  # /ready turns 503 while connections drain
+
+    middleware = []
+    if server.cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(server.cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
+        )
+    middleware.append(Middleware(AccessLogMiddleware, metrics=metrics))
+    middleware.append(Middleware(AuthMiddleware, api_keys=server.api_keys))
+    app = Starlette(
+        routes=route_list,
+        middleware=middleware,
+        exception_handlers={
+            APIError: api_error_handler,
+            HTTPException: http_exception_handler,
+            Exception: unhandled_error_handler,
+        },
+        lifespan=lifespan,
+    )
+    app.state.appliance = state
+    return app
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as pkg_version
+
+    try:
+        return pkg_version("appliance")
+    except PackageNotFoundError:
+        return "0.0.0+local"

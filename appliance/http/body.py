@@ -1,0 +1,113 @@
+"""Reading request bodies: content type, size limit while streaming, JSON, validation.
+
+The size limit is enforced on the bytes actually received, not only on Content-Length (a
+chunked or lying client cannot push more than `server.max_request_body`). Unsupported
+OpenAI parameters are refused here with a 400 naming them, unless the value is the harmless
+default (`tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`, ...), which
+is dropped before validation.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from appliance.http.errors import APIError, bad_request, from_validation_error
+
+M = TypeVar("M", bound=BaseModel)
+
+# field -> predicate: True when the value is harmless and may be dropped.
+_HARMLESS = {
+    "tools": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: v in (None, []),
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "modalities": lambda v: v in (None, ["text"]),
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "suffix": lambda v: v in (None, ""),
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "use_beam_search": lambda v: v in (None, False),
+    "prompt_logprobs": lambda v: v is None,
+}
+
+
+def _content_type_ok(value: str | None) -> bool:
+    if not value:
+        return True  # bare clients (e.g. some `curl --data-binary`) send none; parse as JSON
+    mime = value.split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (
+        mime.startswith("application/") and mime.endswith("+json")
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, or 413 as soon as more than `limit` bytes are announced or received."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise _too_large(limit)
+        except ValueError:
+            raise bad_request("Invalid Content-Length header", None, "invalid_header") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"Request body exceeds the limit of {limit} bytes",
+        param=None,
+        code="request_too_large",
+    )
+
+
+def check_unsupported(data: dict[str, Any]) -> None:
+    """400 for unsupported parameters with a meaningful value; drops harmless ones."""
+    for name, harmless in _HARMLESS.items():
+        if name not in data:
+            continue
+        if not harmless(data[name]):
+            raise bad_request(
+                f"'{name}' is not supported by this server", name, "unsupported_parameter"
+            )
+        del data[name]
+
+
+async def read_json(request: Request, model: type[M], limit: int) -> M:
+    """Content type (415), size (413), JSON syntax (400), fields and types (400)."""
+    if not _content_type_ok(request.headers.get("content-type")):
+        raise APIError(
+            415,
+            "Content-Type must be application/json",
+            param=None,
+            code="unsupported_media_type",
+        )
+    raw = await read_body(request, limit)
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"Request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("Request body must be a JSON object", None, "invalid_json")
+    check_unsupported(data)
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as e:
+        raise from_validation_error(e) from None

@@ -1,0 +1,266 @@
+"""POST /v1/chat/completions: the model's chat template, then one engine request.
+
+Streaming follows OpenAI's shape: a first chunk per choice with `delta.role`, content
+deltas, a last chunk per choice with `finish_reason`, an optional usage chunk with no
+choices (`stream_options.include_usage`), then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from appliance.http import convert
+from appliance.http.body import read_json
+from appliance.http.errors import bad_request, from_engine_error
+from appliance.http.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatMessageOut,
+    ChoiceDelta,
+)
+from appliance.http.serving import (
+    SSE_DONE,
+    AppState,
+    ClientGone,
+    SSEResponse,
+    collect,
+    merged,
+    offload_if_large,
+    sse,
+    state_of,
+    submit,
+    until_disconnect,
+)
+from engine.async_engine import RequestStream
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger("appliance.http")
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Plain dicts for the template; text parts joined, `developer` read as `system`."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"only text content parts are supported, got {part.type!r}",
+                        f"messages.{i}.content.{j}.type",
+                        "unsupported_parameter",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def render_chat(
+    state: AppState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Prompt token ids from the model's chat template; template failures are a 400."""
+    tok = state.aeng.tokenizer
+    if not tok.has_chat_template():
+        raise bad_request(
+            "this model has no chat template; use /v1/completions", "messages", "no_chat_template"
+        )
+    if add_generation_prompt and continue_final_message:
+        raise bad_request(
+            "add_generation_prompt and continue_final_message cannot both be true",
+            "continue_final_message",
+        )
+    kw = dict(template_kwargs or {})
+    if continue_final_message:
+        kw["continue_final_message"] = True
+    dicts = messages_to_dicts(messages)
+    try:
+        return list(
+            tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **kw)
+        )
+    except Exception as e:  # jinja raise_exception(), bad kwargs, ...
+        raise bad_request(f"chat template failed: {e}", "messages", "invalid_messages") from None
+
+
+async def create_chat_completion(request: Request) -> Response:
+    arrival = time.monotonic()
+    state = state_of(request)
+    req = await read_json(request, ChatCompletionRequest, state.server.max_request_body)
+    state.check_model(req.model)
+    params = convert.sampling_params(req)
+    prompt_ids = await offload_if_large(
+        _size(req.messages),
+        render_chat,
+        state,
+        req.messages,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+    )
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await submit(
+        state,
+        [prompt_ids],
+        params,
+        rid,
+        priority=req.priority,
+        arrival_time=arrival,
+        map_param=lambda p: convert.engine_param(p, req),
+        trace=(request, "chat"),
+    )
+    if req.stream:
+        return SSEResponse(_stream(state, req, rid, streams), rid)
+    try:
+        finals = await until_disconnect(request, collect(streams), streams)
+    except ClientGone:
+        return Response(status_code=499)
+    body = _response(state, req, rid, finals[0])
+    _log_done(state, rid, req, finals[0])
+    return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
+
+
+def _size(messages: list[ChatMessage]) -> int:
+    """Characters of content, to decide whether rendering goes off the event loop."""
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content:
+            total += sum(len(p.text or "") for p in m.content)
+    return total
+
+
+def _num_top(req: ChatCompletionRequest) -> int:
+    return req.top_logprobs or 0
+
+
+def _response(
+    state: AppState, req: ChatCompletionRequest, rid: str, out: RequestOutput
+) -> ChatCompletionResponse:
+    choices = []
+    for c in out.outputs:
+        lps = None
+        if req.logprobs and c.logprobs is not None:
+            lps = convert.chat_logprobs(c.logprobs, _num_top(req), state.token_str)
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=ChatMessageOut(content=c.text),
+                logprobs=lps,
+                finish_reason=convert.finish_reason(c.finish_reason),
+                stop_reason=c.stop_reason,
+            )
+        )
+    return ChatCompletionResponse(
+        id=rid,
+        created=int(time.time()),
+        model=state.model_name,
+        choices=choices,
+        usage=convert.usage([out]),
+    )
+
+
+async def _stream(
+    state: AppState, req: ChatCompletionRequest, rid: str, streams: list[RequestStream]
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    sent_text: dict[int, int] = {}
+    sent_lps: dict[int, int] = {}
+    final: RequestOutput | None = None
+
+    def chunk(choices: list[ChatChunkChoice]) -> str:
+        body = ChatCompletionChunk(
+            object="chat.completion.chunk",
+            id=rid,
+            created=created,
+            model=state.model_name,
+            choices=choices,
+        )
+        if include_usage:
+            body.usage = None
+        return sse(body.model_dump_json(exclude_unset=True))
+
+    try:
+        yield chunk(
+            [
+                ChatChunkChoice(
+                    index=i, delta=ChoiceDelta(role="assistant", content=""), logprobs=None,
+                    finish_reason=None,
+                )
+                for i in range(req.n)
+            ]
+        )  # fmt: skip
+        async for _, out in merged(streams):
+            final = out
+            choices = []
+            for c in out.outputs:
+                delta = c.text[sent_text.get(c.index, 0) :]
+                sent_text[c.index] = len(c.text)
+                lps = None
+                if req.logprobs and c.logprobs is not None:
+                    start = sent_lps.get(c.index, 0)
+                    lps = convert.chat_logprobs(c.logprobs[start:], _num_top(req), state.token_str)
+                    sent_lps[c.index] = len(c.logprobs)
+                reason = convert.finish_reason(c.finish_reason)
+                if delta or reason or (lps and lps.content):
+                    choices.append(
+                        ChatChunkChoice(
+                            index=c.index,
+                            delta=ChoiceDelta(content=delta) if delta else ChoiceDelta(),
+                            logprobs=lps,
+                            finish_reason=reason,
+                            **({"stop_reason": c.stop_reason} if reason else {}),
+                        )
+                    )
+            if choices:
+                yield chunk(choices)
+        if include_usage and final is not None:
+            body = ChatCompletionChunk(
+                object="chat.completion.chunk",
+                id=rid,
+                created=created,
+                model=state.model_name,
+                choices=[],
+                usage=convert.usage([final]),
+            )
+            yield sse(body.model_dump_json())
+        if final is not None:
+            _log_done(state, rid, req, final)
+    except Exception as e:
+        yield sse(json.dumps(from_engine_error(e).body()))
+    yield SSE_DONE
+
+
+def _log_done(state: AppState, rid: str, req: ChatCompletionRequest, out: RequestOutput) -> None:
+    fields: dict = {
+        "request_id": rid,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": sum(len(c.token_ids) for c in out.outputs),
+        "finish_reasons": ",".join(str(c.finish_reason) for c in out.outputs),
+    }
+    if state.server.log_prompts:
+        fields["messages"] = messages_to_dicts(req.messages)
+        fields["output"] = [c.text for c in out.outputs]
+    logger.info("chat completion done", extra={"fields": fields})

@@ -1,0 +1,161 @@
+"""Between OpenAI's wire format and the engine's types: sampling params, logprobs, usage.
+
+Everything here is pure (no I/O), so it is tested without a server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from appliance.http.errors import APIError, bad_request
+from appliance.http.protocol import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChatLogprobToken,
+    CompletionLogprobs,
+    CompletionRequest,
+    TopLogprob,
+    UsageInfo,
+)
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.step_io import TokenLogprobs
+
+# JSON has no -inf; OpenAI clients expect a number.
+_MIN_LOGPROB = -9999.0
+
+TokenStr = Callable[[int], str]
+
+
+def _lp(x: float) -> float:
+    return _MIN_LOGPROB if math.isinf(x) or math.isnan(x) else max(x, _MIN_LOGPROB)
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if raw is None:
+        return None
+    out = {}
+    for key, value in raw.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+            ) from None
+        if tid < 0:
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        out[tid] = value
+    return out
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """SamplingParams from either request kind; a bad value is a 400 naming the field."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
+        logprobs = req.logprobs
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request(
+                "best_of other than n is not supported", "best_of", "unsupported_parameter"
+            )
+        if req.echo and req.logprobs is not None:
+            raise bad_request(
+                "echo together with logprobs is not supported", "echo", "unsupported_parameter"
+            )
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            logit_bias=_logit_bias(req.logit_bias),
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except SamplingParamsError as e:
+        param = max_tokens_param if e.param == "max_tokens" else e.param
+        raise bad_request(f"{param}: {e.reason}", param) from None
+
+
+def engine_param(param: str | None, req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The engine says max_tokens; a chat request may have said max_completion_tokens."""
+    if (
+        param == "max_tokens"
+        and isinstance(req, ChatCompletionRequest)
+        and req.max_completion_tokens is not None
+    ):
+        return "max_completion_tokens"
+    if param == "prompt" and isinstance(req, ChatCompletionRequest):
+        return "messages"
+    return param
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """Engine reasons to OpenAI's: stop and length pass; error/abort never reach a client."""
+    if reason in (None, "stop", "length"):
+        return reason
+    raise APIError(500, f"request ended with {reason}", "server_error", None, "engine_error")
+
+
+def usage(outs: Sequence[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.metrics.num_cached_tokens for o in outs if o.metrics is not None)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached},
+    )
+
+
+def chat_logprobs(lps: Sequence[TokenLogprobs], num_top: int, token_str: TokenStr) -> ChatLogprobs:
+    content = []
+    for lp in lps:
+        tok = token_str(lp.token_id)
+        top = [
+            TopLogprob(token=(s := token_str(t)), logprob=_lp(v), bytes=list(s.encode()))
+            for t, v in lp.top[:num_top]
+        ]
+        content.append(
+            ChatLogprobToken(
+                token=tok, logprob=_lp(lp.logprob), bytes=list(tok.encode()), top_logprobs=top
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    lps: Sequence[TokenLogprobs], num_top: int, token_str: TokenStr, offset: int
+) -> CompletionLogprobs:
+    """Legacy format; `offset` is the text offset of the first token (for streamed deltas)."""
+    out = CompletionLogprobs()
+    for lp in lps:
+        tok = token_str(lp.token_id)
+        out.tokens.append(tok)
+        out.token_logprobs.append(_lp(lp.logprob))
+        top = {token_str(t): _lp(v) for t, v in lp.top[:num_top]}
+        top.setdefault(tok, _lp(lp.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out

@@ -1,0 +1,119 @@
+"""The OpenAPI 3.1 document, generated from the same pydantic models the routes validate with.
+
+`ROUTES` is the single table of (method, path, request model, response model, summary);
+the app asserts at build time that every documented route is mounted and vice versa, so
+the document cannot drift from what the server accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from appliance.http import protocol as p
+
+_REF = "#/components/schemas/{model}"
+
+
+@dataclass(frozen=True)
+class RouteDoc:
+    method: str
+    path: str
+    request: type[BaseModel] | None
+    response: type[BaseModel] | None
+    summary: str
+    auth: bool
+    stream: type[BaseModel] | None = None
+    content_type: str = "application/json"
+
+
+ROUTES: tuple[RouteDoc, ...] = (
+    RouteDoc("POST", "/v1/completions", p.CompletionRequest, p.CompletionResponse,
+             "Text completion (SSE when stream is true)", True, p.CompletionStreamResponse),
+    RouteDoc("POST", "/v1/chat/completions", p.ChatCompletionRequest, p.ChatCompletionResponse,
+             "Chat completion with the model's chat template (SSE when stream is true)", True,
+             p.ChatCompletionChunk),
+    RouteDoc("GET", "/v1/models", None, p.ModelList, "The served model", True),
+    RouteDoc("GET", "/v1/models/{model}", None, p.ModelCard, "One model", True),
+    RouteDoc("POST", "/tokenize", p.TokenizeRequest, p.TokenizeResponse,
+             "Token ids of a prompt or of chat messages", True),
+    RouteDoc("POST", "/detokenize", p.DetokenizeRequest, p.DetokenizeResponse,
+             "Text of token ids", True),
+    RouteDoc("GET", "/health", None, p.StatusResponse, "200 while the engine is alive", False),
+    RouteDoc("GET", "/ready", None, p.StatusResponse, "200 while accepting requests", False),
+    RouteDoc("GET", "/version", None, p.VersionResponse, "Server version", False),
+    RouteDoc("GET", "/metrics", None, None, "Prometheus metrics", False,
+             content_type="text/plain"),
+)  # fmt: skip
+
+_ERRORS = {
+    "400": "Invalid request (the error's param names the field)",
+    "401": "Missing or wrong API key",
+    "404": "Unknown route or model",
+    "413": "Request body too large",
+    "415": "Content-Type is not application/json",
+    "429": "Waiting queue full; retry later",
+    "500": "The engine failed the request",
+    "503": "The engine is not running or the server is shutting down",
+}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def build_openapi(version: str) -> dict[str, Any]:
+    models = {m for r in ROUTES for m in (r.request, r.response, r.stream) if m is not None}
+    models.add(p.ErrorResponse)
+    inputs = [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)]
+    _, defs = models_json_schema(inputs, ref_template=_REF)
+    paths: dict[str, dict] = {}
+    for r in ROUTES:
+        op: dict[str, Any] = {"summary": r.summary, "operationId": _op_id(r)}
+        if r.auth:
+            op["security"] = [{"bearer": []}, {}]
+        if r.request is not None:
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(r.request)}},
+            }
+        ok: dict[str, Any] = {"description": "OK"}
+        if r.response is not None:
+            ok["content"] = {"application/json": {"schema": _ref(r.response)}}
+            if r.stream is not None:
+                ok["content"]["text/event-stream"] = {
+                    "schema": {"type": "string"},
+                    "description": f"`data: <{r.stream.__name__}>` events, then `data: [DONE]`",
+                }
+        else:
+            ok["content"] = {r.content_type: {"schema": {"type": "string"}}}
+        responses: dict[str, Any] = {"200": ok}
+        for code, desc in _ERRORS.items():
+            if code in ("401",) and not r.auth:
+                continue
+            if code in ("400", "413", "415") and r.request is None:
+                continue
+            responses[code] = {
+                "description": desc,
+                "content": {"application/json": {"schema": _ref(p.ErrorResponse)}},
+            }
+        op["responses"] = responses
+        paths.setdefault(r.path, {})[r.method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "appliance", "version": version,
+                 "description": "OpenAI-compatible LLM inference server"},
+        "paths": paths,
+        "components": {
+            "schemas": defs.get("$defs", {}),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }  # fmt: skip
+
+
+def _op_id(r: RouteDoc) -> str:
+    words = [w for w in r.path.strip("/").replace("{", "").replace("}", "").split("/") if w]
+    return r.method.lower() + "_" + "_".join(words)

@@ -1,0 +1,263 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Request models are strict (no "5" for 5, no 1 for true) and forbid unknown fields, so a
+typo or an unsupported OpenAI parameter is a 400 naming the field rather than a silent
+no-op. A few OpenAI fields that change nothing here are declared and documented as
+accepted-and-ignored (`user`, `store`, `metadata`, `service_tier`, `parallel_tool_calls`).
+Fields we do not implement but clients commonly send (`tools`, `response_format`, ...) are
+refused explicitly by `features.check_unsupported` before validation, unless their value
+is the harmless default. The same models generate /openapi.json.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+IGNORED = "Accepted for compatibility and ignored."
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- shared pieces -----------------------------------------------------------------------
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(RequestModel):
+    """Sampling fields common to completions and chat (OpenAI + vLLM extras)."""
+
+    model: str | None = Field(None, description="Served model name; defaults to the one model.")
+    n: int = Field(1, ge=1, description="Samples per prompt (at most scheduler.max_n).")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(None, description="Up to 16 stop strings.")
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100]."
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description=IGNORED)
+    # vLLM extras
+    top_k: int = Field(-1, ge=-1, description="-1 or 0: disabled.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = Field(0, description="Lower runs first with scheduler.policy=priority.")
+
+
+# ---- completions -------------------------------------------------------------------------
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt = Field(description="Text, token ids, or a batch of either.")
+    max_tokens: int | None = Field(16, ge=1, description="null: up to the context length.")
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, description="Only equal to n is supported.")
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+# ---- chat --------------------------------------------------------------------------------
+class ContentPart(BaseModel):
+    """A content part; only `{"type": "text", "text": ...}` is supported (checked later)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated alias.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="null: up to context.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    store: bool | None = Field(None, description=IGNORED)
+    metadata: dict[str, str] | None = Field(None, description=IGNORED)
+    service_tier: str | None = Field(None, description=IGNORED)
+    parallel_tool_calls: bool | None = Field(None, description=IGNORED)
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatMessageOut(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ChoiceDelta(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(ResponseModel):
+    index: int
+    delta: ChoiceDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- models, tokenizer, misc -------------------------------------------------------------
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "appliance"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(RequestModel):
+    """Exactly one of `prompt` and `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class VersionResponse(ResponseModel):
+    version: str
+
+
+class StatusResponse(ResponseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorInfo

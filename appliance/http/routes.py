@@ -1,0 +1,103 @@
+"""The small routes: models, health, readiness, version, metrics, tokenize, detokenize."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from appliance.http.body import read_json
+from appliance.http.chat import render_chat
+from appliance.http.errors import UNAVAILABLE, APIError, bad_request
+from appliance.http.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    StatusResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from appliance.http.serving import offload_if_large, state_of
+
+
+def _json(model) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"))
+
+
+def _model_card(request: Request) -> ModelCard:
+    state = state_of(request)
+    return ModelCard(
+        id=state.model_name,
+        created=state.created,
+        root=state.aeng.config.model.path,
+        max_model_len=state.aeng.max_model_len,
+    )
+
+
+async def list_models(request: Request) -> Response:
+    return _json(ModelList(data=[_model_card(request)]))
+
+
+async def retrieve_model(request: Request) -> Response:
+    state = state_of(request)
+    state.check_model(request.path_params["model"])
+    return _json(_model_card(request))
+
+
+async def health(request: Request) -> Response:
+    """200 while the engine loop is alive; 503 once it has died (liveness probe)."""
+    aeng = state_of(request).aeng
+    if not aeng.is_healthy:
+        return APIError(
+            503, f"engine is not running: {aeng.dead_reason}", UNAVAILABLE, None, "engine_dead"
+        ).response()
+    return _json(StatusResponse())
+
+
+async def ready(request: Request) -> Response:
+    """200 when new requests are accepted; 503 while shutting down or dead (readiness)."""
+    state = state_of(request)
+    if state.shutting_down or not state.aeng.is_accepting:
+        return APIError(503, "not accepting requests", UNAVAILABLE, None, "not_ready").response()
+    return _json(StatusResponse())
+
+
+async def version(request: Request) -> Response:
+    return _json(VersionResponse(version=state_of(request).version))
+
+
+async def metrics(request: Request) -> Response:
+    body, content_type = state_of(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def tokenize(request: Request) -> Response:
+    state = state_of(request)
+    req = await read_json(request, TokenizeRequest, state.server.max_request_body)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+    if req.messages is not None:
+        if not req.messages:
+            raise bad_request("messages must not be empty", "messages")
+        size = sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
+        tokens = await offload_if_large(
+            size, render_chat, state, req.messages, req.add_generation_prompt
+        )
+    else:
+        tokens = await offload_if_large(len(req.prompt), state.aeng.tokenizer.encode, req.prompt)
+    return _json(
+        TokenizeResponse(count=len(tokens), max_model_len=state.aeng.max_model_len, tokens=tokens)
+    )
+
+
+async def detokenize(request: Request) -> Response:
+    state = state_of(request)
+    req = await read_json(request, DetokenizeRequest, state.server.max_request_body)
+    state.check_model(req.model)
+    vocab = state.aeng.tokenizer.vocab_size
+    bad = [t for t in req.tokens if t >= vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary ({vocab})", "tokens")
+    return _json(DetokenizeResponse(prompt=state.aeng.tokenizer.decode(req.tokens)))

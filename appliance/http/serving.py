@@ -1,0 +1,256 @@
+"""Plumbing shared by the generation routes: app state, submitting, merging, disconnects, SSE.
+
+Cancellation is the point of most of this module: whatever way a request ends early (the
+client disconnects mid-stream or while waiting for a non-streamed answer, the server shuts
+down, one of several prompts fails), every `RequestStream` it opened is aborted, so the
+engine frees the request's KV blocks within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from appliance.config import ServerConfig
+from appliance.http.errors import APIError, from_engine_error
+from appliance.http.tracing_hook import HttpRequestTracer
+from appliance.metrics import ApplianceMetrics
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("appliance.http")
+
+_TOKEN_CACHE_MAX = 200_000
+
+
+@dataclass
+class AppState:
+    """Everything a route needs, hung on `app.state.appliance`."""
+
+    aeng: AsyncEngine
+    server: ServerConfig
+    metrics: ApplianceMetrics
+    version: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    shutting_down: bool = False
+    # Request spans (None when tracing is off): see appliance/http/tracing_hook.py.
+    tracer: HttpRequestTracer | None = None
+    _token_strs: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.aeng.model_name
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def token_str(self, token_id: int) -> str:
+        """A token's text for logprobs (cached: the same ids come back constantly)."""
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self.aeng.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_strs) < _TOKEN_CACHE_MAX:
+                self._token_strs[token_id] = s
+        return s
+
+
+def state_of(request: Request) -> AppState:
+    return request.app.state.appliance
+
+
+# Inputs bigger than this (characters) are tokenized off the event loop.
+OFFLOAD_CHARS = 16_384
+
+
+async def offload_if_large(size: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """Runs `fn` inline when cheap, in a worker thread when `size` says it may take a while,
+    so one huge prompt cannot stall every other stream on the event loop."""
+    if size > OFFLOAD_CHARS:
+        return await asyncio.to_thread(fn, *args, **kw)
+    return fn(*args, **kw)
+
+
+async def submit(
+    state: AppState,
+    prompts: Sequence[str | list[int]],
+    params: SamplingParams,
+    base_id: str,
+    *,
+    priority: int,
+    arrival_time: float,
+    map_param: Callable[[str | None], str | None] = lambda p: p,
+    trace: tuple[Request, str] | None = None,
+) -> list[RequestStream]:
+    """Adds one engine request per prompt; on any failure aborts those already added.
+
+    `trace` is (the HTTP request, GenAI operation name): with tracing on, each engine
+    request is recorded as a span joined to the caller's `traceparent` when it ends."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            if state.tracer is not None and trace is not None:
+                state.tracer.register(rid, dict(trace[0].headers), params, trace[1])
+            streams.append(
+                await state.aeng.add_request(
+                    prompt, params, rid, priority=priority, arrival_time=arrival_time
+                )
+            )
+    except BaseException as e:
+        abort_all(streams)
+        if state.tracer is not None:
+            for i in range(len(streams), len(prompts)):
+                state.tracer.forget(base_id if len(prompts) == 1 else f"{base_id}-{i}")
+        if isinstance(e, Exception):
+            err = from_engine_error(e)
+            err.param = map_param(err.param)
+            raise err from None
+        raise
+    return streams
+
+
+def abort_all(streams: Sequence[RequestStream]) -> None:
+    for s in streams:
+        s.abort()
+
+
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they arrive; engine errors -> APIError."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    queue.put_nowait((i, out, None))
+            except Exception as e:
+                queue.put_nowait((i, None, e))
+            queue.put_nowait((i, None, StopAsyncIteration()))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, out, exc = await queue.get()
+                if isinstance(exc, StopAsyncIteration):
+                    remaining -= 1
+                elif exc is not None:
+                    raise exc
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+    except APIError:
+        raise
+    except Exception as e:
+        raise from_engine_error(e) from None
+    finally:
+        abort_all(streams)
+
+
+async def collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The final output of every stream."""
+    finals: list[Any] = [None] * len(streams)
+    async for i, out in merged(streams):
+        finals[i] = out
+    return finals
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, coro: Any, streams: Sequence[RequestStream]) -> Any:
+    """Runs `coro`; if the client goes away first, aborts `streams` and raises ClientGone."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            abort_all(streams)
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready (nothing can be sent)."""
+
+
+class SSEResponse(Response):
+    """Server-sent events that stop, and close their source, the moment the client leaves.
+
+    Starlette's StreamingResponse only notices a disconnect when a send fails (ASGI spec
+    2.4), which never happens while a request waits in the queue; here a watcher on
+    `receive` cancels the stream at once, and the body iterator is always closed, which
+    aborts the engine request.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[str], request_id: str):
+        self.body_iterator = body
+        self.status_code = 200
+        self.background = None
+        self.init_headers(
+            {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    await _wait_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                try:
+                    async for chunk in self.body_iterator:
+                        await send(
+                            {
+                                "type": "http.response.body",
+                                "body": chunk.encode(),
+                                "more_body": True,
+                            }
+                        )
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except OSError:  # the client went away during a send
+                    pass
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")

@@ -1,0 +1,137 @@
+"""Prometheus metrics for one appliance, in its own CollectorRegistry.
+
+Two sources: engine counters and gauges (running, waiting, KV usage, prefix cache,
+preemptions, tokens) are read from `AsyncEngine.stats()` at scrape time by a custom
+collector, so they are never stale and cost nothing between scrapes; per-request latency
+histograms and outcomes are fed by an AsyncEngine finish listener from the engine's own
+monotonic timestamps (arrival, first scheduled, first token, last token, finished).
+A per-app registry (not the global one) lets tests and several apps in one process coexist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.async_engine import AsyncEngine, FinishedRequest
+
+PREFIX = "appliance"
+
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+TPOT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+LATENCY_BUCKETS = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's snapshot at scrape time."""
+
+    def __init__(self, aeng: AsyncEngine):
+        self.aeng = aeng
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.aeng.stats()
+        gauges = (
+            ("requests_running", "Requests in the running batch.", s.num_running),
+            ("requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("requests_in_flight", "Requests held by the server.", self.aeng.num_in_flight),
+            ("kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", s.kv_usage),
+            ("kv_cache_blocks", "KV cache blocks in total.", s.num_blocks),
+            ("kv_cache_free_blocks", "KV cache blocks free.", s.num_free_blocks),
+            ("engine_healthy", "1 while the engine loop is alive.", int(self.aeng.is_healthy)),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        counters = (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits),
+            ("preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
+            ("prompt_tokens", "Prompt tokens of requests added.", s.prompt_tokens_total),
+            ("generation_tokens", "Tokens generated.", s.generation_tokens_total),
+            ("engine_failed_steps", "Engine steps that raised.", self.aeng.num_failed_steps),
+        )  # fmt: skip
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class ApplianceMetrics:
+    """The registry, its metrics, and the finish listener that feeds the histograms."""
+
+    def __init__(self, aeng: AsyncEngine, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests_finished = Counter(
+            f"{PREFIX}_requests_finished",
+            "Requests that left the engine, by outcome.",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Mean time between generated tokens, per request.",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "Arrival to finish.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            f"{PREFIX}_request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.http_responses = Counter(
+            f"{PREFIX}_http_responses",
+            "HTTP responses by route and status code.",
+            ["route", "status"],
+            registry=r,
+        )
+        r.register(_EngineCollector(aeng))
+        aeng.add_finish_listener(self.on_finished)
+
+    def on_finished(self, f: FinishedRequest) -> None:
+        """Runs on the engine thread (prometheus_client metrics are thread-safe)."""
+        self.requests_finished.labels(f.finish_reason).inc()
+        m = f.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            # Per sequence: with n > 1 the samples decode side by side.
+            n = max((len(c.token_ids) for c in f.output.outputs), default=0) if f.output else 0
+            if m.last_token_time is not None and n > 1:
+                self.tpot.observe(max(0.0, (m.last_token_time - m.first_token_time) / (n - 1)))
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.finished_time is not None and f.finish_reason != "abort":
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    def render(self) -> tuple[bytes, str]:
+        """Body and content type of a /metrics response."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,301 @@
+"""Serving benchmark: HTTP load at several concurrency levels, and the server's overhead.
+
+Starts `appliance serve` as a subprocess (its own process, so the load generator does not
+share its GIL), streams `/v1/completions` from many concurrent clients with httpx, and
+reports request throughput, output token throughput, TTFT, inter-token latency (ITL) and
+end-to-end latency percentiles per concurrency level. Then stops the server and runs the
+same workload through the offline engine (`LLM.generate`) in this process; overhead is the
+server's wall time at full concurrency over the offline wall time, minus one.
+
+    python bench/serving.py --tiny                      # tiny random model, seconds
+    python bench/serving.py --concurrency 1,8,32 -n 64  # default model (SmolLM2-135M)
+    python bench/serving.py --set model.path=/models/x --set runtime.device=cuda
+
+Every result is a JSON line appended to bench/results/serving.jsonl. ITL is measured
+between SSE chunks: a chunk carries every token produced since the client last read, so
+under load a chunk can hold more than one token. The machine's CPU use by other processes
+during each run is recorded (`other_cpu_cores`), since this box is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from appliance.config import load_config  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "serving.jsonl"
+PROMPTS = [
+    "Once upon a time there was a little girl who lived in a village near the forest.",
+    "The capital of France is Paris. Paris is a city on the river Seine, and",
+    "Computers process numbers and words. A language model predicts the next token",
+    "The dragon slept in a cave under the hill. It was green and gold, and it loved",
+]
+
+
+@dataclass
+class Sample:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str = ""
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))] * 1000, 3)
+
+
+class CpuMeter:
+    """Machine-wide busy cores minus this benchmark's own processes, from /proc."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+
+    @staticmethod
+    def _machine() -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            v = [float(x) for x in f.readline().split()[1:]]
+        idle = v[3] + v[4]
+        return sum(v) - idle, sum(v)
+
+    def _own(self) -> float:
+        tick = os.sysconf("SC_CLK_TCK")
+        total = sum(os.times()[:2])
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parts = f.read().rsplit(")", 1)[1].split()
+                total += (float(parts[11]) + float(parts[12])) / tick
+            except OSError:
+                pass
+        return total
+
+    def __enter__(self) -> CpuMeter:
+        self.t0 = time.monotonic()
+        self.busy0, self.total0 = self._machine()
+        self.own0 = self._own()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy1, total1 = self._machine()
+        ncpu = os.cpu_count() or 1
+        wall = time.monotonic() - self.t0
+        machine_cores = (busy1 - self.busy0) / max(total1 - self.total0, 1) * ncpu
+        own_cores = (self._own() - self.own0) / max(wall, 1e-9)
+        self.other_cores = round(max(0.0, machine_cores - own_cores), 2)
+        self.own_cores = round(own_cores, 2)
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> Sample:
+    body = {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    last = None
+    s = Sample(ok=False)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return s
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    s.tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                if last is None:
+                    s.ttft = now - t0
+                else:
+                    s.itls.append(now - last)
+                last = now
+        s.e2e = time.perf_counter() - t0
+        s.ok = True
+    except httpx.HTTPError as e:
+        s.error = repr(e)
+    return s
+
+
+async def run_level(
+    url: str, concurrency: int, n: int, max_tokens: int
+) -> tuple[list[Sample], float]:
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for i in range(n):
+        queue.put_nowait(PROMPTS[i % len(PROMPTS)])
+    samples: list[Sample] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        await one_request(client, PROMPTS[0], 2)  # warm the connection and the engine
+
+        async def worker() -> None:
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                samples.append(await one_request(client, prompt, max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(concurrency)])
+        wall = time.perf_counter() - t0
+    return samples, wall
+
+
+def summarize(samples: list[Sample], wall: float) -> dict:
+    ok = [s for s in samples if s.ok]
+    tokens = sum(s.tokens for s in ok)
+    itls = [x for s in ok for x in s.itls]
+    return {
+        "requests": len(samples),
+        "failed": len(samples) - len(ok),
+        "errors": sorted({s.error for s in samples if not s.ok})[:3],
+        "wall_s": round(wall, 3),
+        "req_per_s": round(len(ok) / wall, 3),
+        "output_tok_per_s": round(tokens / wall, 2),
+        "ttft_ms": {f"p{q}": pct([s.ttft for s in ok], q) for q in (50, 90, 99)},
+        "itl_ms": {f"p{q}": pct(itls, q) for q in (50, 90, 99)},
+        "e2e_ms": {f"p{q}": pct([s.e2e for s in ok], q) for q in (50, 90, 99)},
+        "mean_itl_ms": round(statistics.fmean(itls) * 1000, 3) if itls else None,
+    }
+
+
+def start_server(sets: list[str], config: str | None) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "appliance", "serve", *(["--config", config] if config else [])]
+    for s in [*sets, "server.http_port=0", "server.grpc_port=null", "telemetry.log_format=json"]:
+        cmd += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    port: list[int] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("msg") == "http listening":
+                port.append(rec["port"])
+                seen.set()
+            elif rec.get("level") in ("error", "critical"):
+                print("server:", line.strip(), file=sys.stderr)
+
+    threading.Thread(target=read, daemon=True).start()
+    if not seen.wait(600):
+        proc.kill()
+        raise RuntimeError("server did not start")
+    return proc, f"http://127.0.0.1:{port[0]}"
+
+
+def offline(
+    sets: list[str], config: str | None, n: int, max_tokens: int, repeats: int
+) -> tuple[list[float], int]:
+    """Wall times of `repeats` runs of the workload through LLM.generate."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    cfg = load_config(config, sets, os.environ).engine_config()
+    llm = LLM(config=cfg)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    walls, tokens = [], 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(n)], params, use_tqdm=False)
+        walls.append(round(time.perf_counter() - t0, 4))
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return walls, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model (smoke run)")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("-n", "--num-requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of the overhead comparison")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    sets = list(args.sets)
+    if args.tiny:
+        from tests.tiny_models import make_tiny_checkpoint
+
+        tiny = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "llama")
+        sets = [f"model.path={tiny}", "runtime.device=cpu", *sets]
+    levels = [int(x) for x in args.concurrency.split(",")]
+    meta = {
+        "bench": "serving", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(),
+        "cpus": os.cpu_count(), "sets": sets, "config": args.config,
+        "num_requests": args.num_requests, "max_tokens": args.max_tokens,
+    }  # fmt: skip
+    rows = []
+    proc, url = start_server(sets, args.config)
+    try:
+        # The last level sends everything at once, like the offline run; it is repeated and
+        # the best run kept, as offline is, since this machine is shared.
+        plan = [*((c, 1) for c in levels), (args.num_requests, args.repeats)]
+        for c, repeats in plan:
+            best, walls = None, []
+            for _ in range(repeats):
+                with CpuMeter([proc.pid]) as cpu:
+                    run = asyncio.run(run_level(url, c, args.num_requests, args.max_tokens))
+                walls.append(round(run[1], 4))
+                if best is None or run[1] < best[0][1]:
+                    best = (run, cpu)
+            assert best is not None
+            (samples, wall), cpu = best
+            row = {**meta, "mode": "http", "concurrency": c, **summarize(samples, wall), "walls_s": walls,
+                   "other_cpu_cores": cpu.other_cores, "own_cpu_cores": cpu.own_cores}  # fmt: skip
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("concurrency", "req_per_s", "output_tok_per_s",
+                                                  "ttft_ms", "itl_ms", "failed")}))  # fmt: skip
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    with CpuMeter([]) as cpu:
+        off_walls, off_tokens = offline(
+            sets, args.config, args.num_requests, args.max_tokens, args.repeats
+        )
+    off_wall = min(off_walls)
+    full = rows[-1]
+    off = {**meta, "mode": "offline", "wall_s": round(off_wall, 3), "walls_s": off_walls,
+           "output_tok_per_s": round(off_tokens / off_wall, 2),
+           "server_overhead": round(full["wall_s"] / off_wall - 1, 4),
+           "other_cpu_cores": cpu.other_cores}  # fmt: skip
+    rows.append(off)
+    print(json.dumps({k: off[k] for k in ("wall_s", "output_tok_per_s", "server_overhead")}))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(rows)} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

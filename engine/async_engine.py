@@ -1,0 +1,469 @@
+"""AsyncEngine: the engine loop on its own thread, one async iterator per request.
+
+The frontends (HTTP, gRPC) run on an asyncio event loop; `LLMEngine.step()` is blocking
+compute. So the loop that steps runs on a dedicated daemon thread::
+
+    event loop(s)                                engine thread
+    ─────────────                                ─────────────
+    add_request(): prepare_request (validate,
+      tokenize) -> inbox ────────────────────▶  drain inbox: add_prepared / abort
+      await ack ◀──────── call_soon_threadsafe ─   (ack: added, or QueueFull / invalid)
+    async for out in stream ◀─ call_soon_threadsafe ─ step() -> RequestOutputs
+    stream closed / cancelled -> abort ───────▶  engine.abort (blocks freed before next step)
+
+The thread sleeps on a Condition while there is no work. Outputs are cumulative, so a
+stream keeps only the newest one: a slow consumer gets fewer, larger deltas instead of an
+unbounded backlog. Any number of frontends, on any number of event loops, may share one
+AsyncEngine. If a step raises, the requests in it fail (their iterators raise
+`RequestFailedError`) and the loop carries on; after `max_consecutive_failures` failing
+steps in a row the engine is declared dead (`is_healthy` False, `EngineDeadError`).
+
+This module imports no HTTP code and no torch (the LLMEngine is passed in or built lazily).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import (
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestFailedError,
+)
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.llm_engine import EngineStats, LLMEngine
+
+logger = logging.getLogger(__name__)
+
+# Prompts longer than this (characters or token ids) are tokenized off the event loop.
+_OFFLOAD_PROMPT_LEN = 8192
+# Worst-first order used to give an n > 1 request a single outcome.
+_OUTCOME_ORDER = ("error", "abort", "length", "stop")
+
+
+@dataclass
+class FinishedRequest:
+    """What finish listeners (metrics, tracing) get once per request, on the engine thread."""
+
+    request_id: str
+    finish_reason: str  # stop | length | abort | error
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    metrics: RequestMetrics | None
+    output: RequestOutput | None
+
+
+def request_outcome(out: RequestOutput) -> str:
+    """One finish reason for the whole request (the worst of its samples')."""
+    if out.error:
+        return "error"
+    reasons = {o.finish_reason or "abort" for o in out.outputs}
+    return next((r for r in _OUTCOME_ORDER if r in reasons), "stop")
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs; `abort()` cancels it.
+
+    Filled from the engine thread through `loop.call_soon_threadsafe`; consumed on `loop`.
+    """
+
+    def __init__(self, request_id: str, owner: AsyncEngine, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._owner = owner
+        self._loop = loop
+        self._latest: RequestOutput | None = None
+        self._exc: BaseException | None = None
+        self._event = asyncio.Event()
+        self.finished = False
+        # Engine-thread side: newest output delivered (for abort accounting).
+        self.last_output: RequestOutput | None = None
+
+    def _put(self, out: RequestOutput) -> None:
+        self._latest = out
+        self._event.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._exc = exc
+        self._event.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while not self.finished:
+            if self._latest is not None:
+                out, self._latest = self._latest, None
+                self.finished = out.finished
+                return out
+            if self._exc is not None:
+                self.finished = True
+                raise self._exc
+            self._event.clear()
+            await self._event.wait()
+        raise StopAsyncIteration
+
+    def abort(self) -> None:
+        """Cancels the request in the engine unless it already finished. Idempotent."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    prepared: Any  # engine.llm_engine.PreparedRequest
+    stream: RequestStream
+    ack: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str | None  # None: every request in flight
+    exc: BaseException | None = None  # delivered to the stream, if it is still listening
+
+
+class AsyncEngine:
+    """Owns an LLMEngine and the thread that steps it. See the module docstring."""
+
+    def __init__(self, engine: LLMEngine, *, max_consecutive_failures: int = 3):
+        self.engine = engine
+        self.max_consecutive_failures = max_consecutive_failures
+        self._cond = threading.Condition()
+        self._inbox: list[_Add | _Abort] = []
+        self._pending = 0  # adds in the inbox, not yet handed to the engine
+        self._streams: dict[str, RequestStream] = {}  # engine thread writes; others read len
+        self._listeners: list[Callable[[FinishedRequest], None]] = []
+        self._stats = engine.stats()
+        self._accepting = True
+        self._stopping = False
+        self._dead: str | None = None
+        self._consecutive_failures = 0
+        self.num_steps = 0
+        self.num_failed_steps = 0
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
+        from engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine(config), **kwargs)
+
+    # ---- what the frontends may read ------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting and self.is_healthy
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams) + self._pending
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of the end of the latest loop iteration."""
+        return self._stats
+
+    def add_finish_listener(self, fn: Callable[[FinishedRequest], None]) -> None:
+        """`fn` runs on the engine thread once per finished or aborted request; keep it short."""
+        self._listeners.append(fn)
+
+    # ---- requests -------------------------------------------------------------------------
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Validates, queues and returns the request's stream once the engine holds it.
+
+        Raises InvalidRequestError (never servable), QueueFullError (try later) or
+        EngineDeadError before anything is streamed, so a frontend can still pick a status.
+        """
+        self._check_accepting()
+        request_id = request_id or uuid.uuid4().hex
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        args = (request_id, prompt, params)
+        kw = {"priority": priority, "arrival_time": arrival}
+        if len(prompt) > _OFFLOAD_PROMPT_LEN:
+            prepared = await asyncio.to_thread(self.engine.prepare_request, *args, **kw)
+        else:
+            prepared = self.engine.prepare_request(*args, **kw)
+        if self._stats.num_waiting + self._pending >= self.config.scheduler.max_queue_len:
+            raise QueueFullError(self._queue_full_message())
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self, loop)
+        ack = loop.create_future()
+        with self._cond:
+            self._check_accepting()
+            self._pending += 1
+            self._inbox.append(_Add(prepared, stream, ack))
+            self._cond.notify()
+        try:
+            await ack
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs until the request finishes; closing it aborts the request."""
+        stream = await self.add_request(
+            prompt, params, request_id, priority=priority, arrival_time=arrival_time
+        )
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the engine drops the request (and frees its blocks) before its next step."""
+        with self._cond:
+            self._inbox.append(_Abort(request_id))
+            self._cond.notify()
+
+    async def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stops accepting, lets in-flight requests finish for up to `grace_s`, aborts the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self.num_in_flight and self.is_healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        left = self.num_in_flight
+        with self._cond:
+            self._inbox.append(_Abort(None, EngineDeadError("the server is shutting down")))
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join, 30.0)
+        logger.info("engine loop stopped", extra={"fields": {"aborted": left}})
+
+    def _check_accepting(self) -> None:
+        if self._dead is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine is not running: {self._dead or 'loop exited'}")
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down")
+
+    def _queue_full_message(self) -> str:
+        return (
+            f"the waiting queue is full ({self.config.scheduler.max_queue_len} requests); "
+            "retry later"
+        )
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._stopping or self._has_work()):
+                        self._cond.wait()
+                    inbox, self._inbox = self._inbox, []
+                    stopping = self._stopping
+                out: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+                self._handle_inbox(inbox, out)
+                if self._has_work() and not stopping:
+                    self._step(out)
+                self._stats = self.engine.stats()
+                self._flush(out)
+                if stopping or self._dead is not None:
+                    break
+        except BaseException as e:  # a bug in the loop itself: never leave callers hanging
+            logger.exception("engine loop crashed")
+            self._die(f"engine loop crashed: {type(e).__name__}: {e}")
+
+    def _has_work(self) -> bool:
+        return self._dead is None and self.engine.has_unfinished_requests()
+
+    def _handle_inbox(self, inbox: list[_Add | _Abort], out: dict) -> None:
+        for item in inbox:
+            if isinstance(item, _Abort):
+                ids = list(self._streams) if item.request_id is None else [item.request_id]
+                for rid in ids:
+                    self._abort_one(rid, item.exc, out)
+                continue
+            with self._cond:
+                self._pending -= 1
+            err: BaseException | None = None
+            try:
+                if self._dead is not None or self._stopping:
+                    raise EngineDeadError("the engine is not running")
+                if self.engine.stats().num_waiting >= self.config.scheduler.max_queue_len:
+                    raise QueueFullError(self._queue_full_message())
+                self.engine.add_prepared(item.prepared)
+                self._streams[item.stream.request_id] = item.stream
+            except (InvalidRequestError, EngineError) as e:
+                err = e
+            except Exception as e:
+                logger.exception("add_prepared failed")
+                err = RequestFailedError(f"the engine could not add the request: {e}")
+            out[item.stream._loop].append((_ack, item.ack, err))
+
+    def _abort_one(self, rid: str, exc: BaseException | None, out: dict) -> None:
+        stream = self._streams.pop(rid, None)
+        if stream is None:
+            return
+        try:
+            self.engine.abort(rid)
+        except Exception:
+            logger.exception("abort failed", extra={"fields": {"request_id": rid}})
+        if exc is not None:
+            out[stream._loop].append((RequestStream._fail, stream, exc))
+        self._notify_finished(rid, "abort", stream.last_output)
+
+    def _step(self, out: dict) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._on_step_failure(e, out)
+            return
+        self.num_steps += 1
+        self._consecutive_failures = 0
+        for o in outputs:
+            self._deliver(o, out)
+
+    def _deliver(self, o: RequestOutput, out: dict) -> None:
+        stream = self._streams.get(o.request_id)
+        if stream is None:
+            return
+        stream.last_output = o
+        if o.error:
+            exc = RequestFailedError(o.error)
+            exc.output = o  # type: ignore[attr-defined]
+            out[stream._loop].append((RequestStream._fail, stream, exc))
+        else:
+            out[stream._loop].append((RequestStream._put, stream, o))
+        if o.finished or o.error:
+            del self._streams[o.request_id]
+            self._notify_finished(o.request_id, request_outcome(o), o)
+
+    def _on_step_failure(self, e: Exception, out: dict) -> None:
+        self.num_failed_steps += 1
+        self._consecutive_failures += 1
+        message = f"engine step failed: {type(e).__name__}: {e}"
+        logger.error(
+            "engine step failed",
+            exc_info=True,
+            extra={
+                "fields": {
+                    "consecutive_failures": self._consecutive_failures,
+                    "in_flight": len(self._streams),
+                }
+            },
+        )
+        try:
+            failed = self.engine.fail_all(message)
+        except Exception:
+            logger.exception("fail_all failed")
+            self._die(f"{message}; failing the requests in flight also failed")
+            return
+        for o in failed:
+            if not o.error:
+                o.error = message
+            self._deliver(o, out)
+        for rid in list(self._streams):  # anything the engine no longer knows about
+            self._abort_one(rid, RequestFailedError(message), out)
+        if self._consecutive_failures >= self.max_consecutive_failures:
+            self._die(f"{self._consecutive_failures} consecutive failing steps; last: {message}")
+
+    def _die(self, reason: str) -> None:
+        """Marks the engine dead and fails every stream and queued add; runs on any thread."""
+        self._dead = reason
+        logger.critical("engine is dead", extra={"fields": {"reason": reason}})
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        out: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        exc = EngineDeadError(f"the engine is not running: {reason}")
+        for item in inbox:
+            if isinstance(item, _Add):
+                with self._cond:
+                    self._pending -= 1
+                out[item.stream._loop].append((_ack, item.ack, exc))
+        for rid in list(self._streams):
+            self._abort_one(rid, exc, out)
+        self._flush(out)
+
+    def _flush(self, out: dict) -> None:
+        for loop, items in out.items():
+            try:
+                loop.call_soon_threadsafe(_run_callbacks, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                for _fn, target, _arg in items:
+                    if isinstance(target, RequestStream):
+                        self.abort(target.request_id)
+
+    def _notify_finished(self, rid: str, reason: str, o: RequestOutput | None) -> None:
+        if not self._listeners:
+            return
+        info = FinishedRequest(
+            request_id=rid,
+            finish_reason=reason,
+            num_prompt_tokens=len(o.prompt_token_ids) if o else 0,
+            num_generation_tokens=sum(len(c.token_ids) for c in o.outputs) if o else 0,
+            metrics=o.metrics if o else None,
+            output=o,
+        )
+        for fn in self._listeners:
+            try:
+                fn(info)
+            except Exception:
+                logger.exception("finish listener failed")
+
+
+def _ack(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)
+
+
+def _run_callbacks(items: list[tuple[Callable, Any, Any]]) -> None:
+    for fn, target, arg in items:
+        fn(target, arg)

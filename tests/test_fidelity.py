@@ -18,7 +18,9 @@ MAX_NEW = 12
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
 
-def _prompts(count: int, seed: int = 0, lo: int = 3, hi: int = 40, vocab: int = 500) -> list[list[int]]:
+def _prompts(
+    count: int, seed: int = 0, lo: int = 3, hi: int = 40, vocab: int = 500
+) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
 
@@ -105,9 +107,7 @@ def test_n_greater_than_one_forks_and_matches(tiny_llama_dir, hf_greedy):
     prompts = _prompts(3, seed=8, lo=6, hi=14)
     ref = hf_greedy(tiny_llama_dir, prompts, MAX_NEW, ignore_eos=True)
     llm = _llm(tiny_llama_dir)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], _greedy(n=3), use_tqdm=False
-    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(n=3), use_tqdm=False)
     for out, expected in zip(outs, ref, strict=True):
         assert [c.token_ids for c in out.outputs] == [expected] * 3
     assert llm.engine.stats().num_free_blocks == 256

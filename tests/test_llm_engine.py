@@ -10,7 +10,9 @@ from engine.errors import InvalidRequestError
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir) -> LLM:
-    return LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=4, dtype="float32", max_model_len=256)
+    return LLM(
+        str(tiny_llama_dir), num_kv_blocks=128, block_size=4, dtype="float32", max_model_len=256
+    )
 
 
 def _run(llm: LLM, prompt, **kw):
@@ -32,7 +34,9 @@ def test_stop_string_truncates_text_and_finishes(llm):
     text = full.outputs[0].text
     assert len(text) > 6
     stop = text[3:6]
-    out = _run(llm, "Once upon a time", temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop])
+    out = _run(
+        llm, "Once upon a time", temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop]
+    )
     comp = out.outputs[0]
     assert comp.finish_reason == "stop"
     assert comp.stop_reason == stop

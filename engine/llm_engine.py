@@ -19,7 +19,7 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache.manager import KVCacheManager
-from engine.kv_sizing import KVGeometry, num_blocks_for_cpu, num_blocks_for_gpu
+from engine.kv_sizing import KVGeometry, num_blocks_for_cpu, size_gpu_kv_cache
 from engine.models.loader import load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -91,6 +91,7 @@ class LLMEngine:
         )
         num_blocks = self._size_kv_cache(geom)
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_graphs(rt, config.scheduler.max_num_seqs, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -105,39 +106,11 @@ class LLMEngine:
 
     # ---- set-up ---------------------------------------------------------------------------
     def _size_kv_cache(self, geom: KVGeometry) -> int:
-        cache = self.config.cache
         if self.device.type != "cuda":
-            return num_blocks_for_cpu(cache, geom)
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        peak = self._profile_activation_peak()
-        return num_blocks_for_gpu(
-            cache, geom, total, torch.cuda.memory_allocated(self.device), peak
+            return num_blocks_for_cpu(self.config.cache, geom)
+        return size_gpu_kv_cache(
+            self.runner, self.config.cache, self.config.scheduler, geom, self.max_model_len
         )
-
-    def _profile_activation_peak(self) -> int:
-        """Activation memory of one forward at max_num_batched_tokens (GPU sizing)."""
-        from engine.step_io import NewRequestData, SchedulerOutput
-
-        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        bs = self.config.cache.block_size
-        num_blocks = math.ceil(n / bs)
-        self.runner.allocate_kv_cache(num_blocks)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        so = SchedulerOutput(
-            scheduled_new_reqs=[
-                NewRequestData("profile", [0] * n, [], SamplingParams(max_tokens=1), list(range(num_blocks)), 0)
-            ],
-            num_scheduled_tokens={"profile": n},
-            total_num_scheduled_tokens=n,
-        )  # fmt: skip
-        self.runner.execute(so)
-        self.runner.execute(SchedulerOutput(finished_req_ids={"profile"}))
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        self.runner.kv_caches = []
-        torch.cuda.empty_cache()
-        return peak
 
     # ---- requests -------------------------------------------------------------------------
     def prepare_request(

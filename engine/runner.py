@@ -19,9 +19,9 @@ from engine.step_io import RunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-def select_attention_backend(device: torch.device) -> AttentionBackend:
-    """FlashInfer on CUDA when it imports and works; the exact torch backend otherwise."""
-    if device.type == "cuda":
+def select_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """FlashInfer on CUDA (16-bit caches) when it imports and works; the torch backend else."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         try:
             from engine.attention.flashinfer import FlashInferBackend
 
@@ -46,7 +46,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.backend = backend or select_attention_backend(device)
+        self.backend = backend or select_attention_backend(device, dtype)
+        # Set by `capture_graphs` on CUDA: replays decode-only steps from captured graphs.
+        self.graph_runner = None
         self.sampler = Sampler()
         # EOS ids the sampler masks until a request reaches its min_tokens.
         self.eos_token_ids: tuple[int, ...] = ()
@@ -70,6 +72,18 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for cache in self.kv_caches:
             cache[dst] = cache[src]
+
+    def capture_graphs(self, runtime, max_num_seqs: int, max_model_len: int) -> None:
+        """Captures decode graphs per batch bucket (CUDA only; a no-op that logs why else).
+
+        Must run after the final KV allocation and before any request holds blocks: the
+        all-padding capture batch writes into block 0."""
+        from graphs.cuda_graphs import build_graph_runner
+
+        self.graph_runner = build_graph_runner(
+            self.model, self.backend, self.kv_caches, runtime, self.device,
+            block_size=self.block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        )  # fmt: skip
 
     # ---- state updates --------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -111,9 +125,12 @@ class ModelRunner:
             return RunnerOutput()
         self._copy_blocks(so.block_copies)
         inputs = self.prepare_inputs(so)
-        self.backend.begin_step(inputs.attn_metadata)
-        ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
+            hidden = self.graph_runner.run(inputs)  # a static buffer: used before next step
+        else:
+            self.backend.begin_step(inputs.attn_metadata)
+            ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         out = RunnerOutput()
         self._prompt_logprobs(inputs, hidden, out)
         if not inputs.sample_rows:

@@ -5,7 +5,9 @@
     appliance config show [--config FILE] [--set ...] [--show-secrets]
 
 Exit status: 0 on success (including a graceful SIGTERM), 2 for a bad config or bad
-arguments (the message names the key), 1 when the engine or server fails to start.
+arguments (the message names the key), 1 when the engine or server fails to start, 3 when
+the engine dies (or hangs past `server.step_timeout_s`) while serving, so that a supervisor
+restarts the process rather than leave it answering 503.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from appliance.config import AppConfig, ConfigError, dump_config, load_config
 from appliance.logs import configure_logging, log_event
 
 logger = logging.getLogger("appliance.cli")
+
+EXIT_ENGINE_DIED = 3
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -80,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     log_event(logger, "starting", config=args.config or os.environ.get("APPLIANCE_CONFIG"))
     t0 = time.perf_counter()
-    aeng = AsyncEngine.from_config(cfg.engine_config())
+    aeng = AsyncEngine.from_config(cfg.engine_config(), step_timeout_s=cfg.server.step_timeout_s)
     stats = aeng.stats()
     log_event(
         logger,
@@ -104,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
     from appliance.grpc.server import GrpcSettings, start_grpc_server
+    from appliance.http.server import EngineDiedError
     from appliance.telemetry import instrument_app, setup_tracing
 
     tracing = setup_tracing(cfg.telemetry)  # None when telemetry.otlp_endpoint is unset
@@ -116,23 +121,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 aeng, GrpcSettings.from_server_config(cfg.server), tracing
             )
 
+        def grace() -> float:
+            # A dead or hung engine finishes nothing: waiting for its calls only delays exit.
+            return cfg.server.shutdown_grace_s if aeng.is_healthy else 0.0
+
         def stop_grpc() -> None:
             # Refuse new gRPC calls at once; running ones get the same grace as HTTP.
             if grpc_server is not None:
-                asyncio.get_running_loop().create_task(
-                    grpc_server.stop(cfg.server.shutdown_grace_s)
-                )
+                asyncio.get_running_loop().create_task(grpc_server.stop(grace()))
 
         try:
             await serve_forever(app, cfg.server, on_shutdown=stop_grpc)
         finally:
             if grpc_server is not None:
-                await grpc_server.stop(cfg.server.shutdown_grace_s)
+                await grpc_server.stop(grace())
             await aeng.shutdown(grace_s=0)
             if tracing is not None:
                 tracing.shutdown()  # flush spans
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except EngineDiedError as e:
+        log_event(logger, "stopped: engine died", reason=str(e))
+        print(f"appliance: the engine died while serving: {e}", file=sys.stderr)
+        return EXIT_ENGINE_DIED
     log_event(logger, "stopped")
     return 0
 

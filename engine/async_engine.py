@@ -15,8 +15,14 @@ The thread sleeps on a Condition while there is no work. Outputs are cumulative,
 stream keeps only the newest one: a slow consumer gets fewer, larger deltas instead of an
 unbounded backlog. Any number of frontends, on any number of event loops, may share one
 AsyncEngine. If a step raises, the requests in it fail (their iterators raise
-`RequestFailedError`) and the loop carries on; after `max_consecutive_failures` failing
+`RequestFailedError`; with an engine that has `fail_step`, requests waiting outside the
+failed step carry on) and the loop carries on; after `max_consecutive_failures` failing
 steps in a row the engine is declared dead (`is_healthy` False, `EngineDeadError`).
+
+A step that never returns (a wedged device, a deadlock in a kernel) cannot be interrupted
+from Python, so the watchdog is passive: with `step_timeout_s` set, a step running longer
+than that makes the engine unhealthy and refuses new requests, and whoever supervises the
+process (`appliance serve`) exits so that it is restarted.
 
 This module imports no HTTP code and no torch (the LLMEngine is passed in or built lazily).
 """
@@ -139,9 +145,17 @@ class _Abort:
 class AsyncEngine:
     """Owns an LLMEngine and the thread that steps it. See the module docstring."""
 
-    def __init__(self, engine: LLMEngine, *, max_consecutive_failures: int = 3):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_consecutive_failures: int = 3,
+        step_timeout_s: float | None = None,
+    ):
         self.engine = engine
         self.max_consecutive_failures = max_consecutive_failures
+        self.step_timeout_s = step_timeout_s
+        self._step_started: float | None = None  # monotonic start of the running step
         self._cond = threading.Condition()
         self._inbox: list[_Add | _Abort] = []
         self._pending = 0  # adds in the inbox, not yet handed to the engine
@@ -182,7 +196,7 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and self._thread.is_alive() and self._hung_for() is None
 
     @property
     def is_accepting(self) -> bool:
@@ -190,7 +204,18 @@ class AsyncEngine:
 
     @property
     def dead_reason(self) -> str | None:
+        hung = self._hung_for()
+        if self._dead is None and hung is not None:
+            return f"an engine step has been running for {hung:.0f}s (step_timeout_s)"
         return self._dead
+
+    def _hung_for(self) -> float | None:
+        """Seconds the current step has run, if that is beyond `step_timeout_s`."""
+        started = self._step_started
+        if self.step_timeout_s is None or started is None:
+            return None
+        age = time.monotonic() - started
+        return age if age > self.step_timeout_s else None
 
     @property
     def num_in_flight(self) -> int:
@@ -281,12 +306,13 @@ class AsyncEngine:
             self._inbox.append(_Abort(None, EngineDeadError("the server is shutting down")))
             self._stopping = True
             self._cond.notify()
-        await asyncio.to_thread(self._thread.join, 30.0)
+        # A hung step never returns: do not wait for it (the thread is a daemon).
+        await asyncio.to_thread(self._thread.join, 1.0 if self._hung_for() else 30.0)
         logger.info("engine loop stopped", extra={"fields": {"aborted": left}})
 
     def _check_accepting(self) -> None:
-        if self._dead is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine is not running: {self._dead or 'loop exited'}")
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine is not running: {self.dead_reason or 'loop exited'}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
 
@@ -357,11 +383,14 @@ class AsyncEngine:
         self._notify_finished(rid, "abort", stream.last_output)
 
     def _step(self, out: dict) -> None:
+        self._step_started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:
             self._on_step_failure(e, out)
             return
+        finally:
+            self._step_started = None
         self.num_steps += 1
         self._consecutive_failures = 0
         for o in outputs:
@@ -396,18 +425,22 @@ class AsyncEngine:
                 }
             },
         )
+        # Only the requests of the failed step are suspect (their K/V, sampler state); the
+        # others wait in the queue untouched. An engine without `fail_step` fails them all.
+        fail_step = getattr(self.engine, "fail_step", None)
         try:
-            failed = self.engine.fail_all(message)
+            failed = fail_step(message) if fail_step else self.engine.fail_all(message)
         except Exception:
-            logger.exception("fail_all failed")
+            logger.exception("failing the step's requests failed")
             self._die(f"{message}; failing the requests in flight also failed")
             return
         for o in failed:
             if not o.error:
                 o.error = message
             self._deliver(o, out)
-        for rid in list(self._streams):  # anything the engine no longer knows about
-            self._abort_one(rid, RequestFailedError(message), out)
+        for rid in list(self._streams):  # anything the engine no longer holds would wait forever
+            if fail_step is None or not self.engine.has_request(rid):
+                self._abort_one(rid, RequestFailedError(message), out)
         if self._consecutive_failures >= self.max_consecutive_failures:
             self._die(f"{self._consecutive_failures} consecutive failing steps; last: {message}")
 

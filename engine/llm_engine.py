@@ -27,6 +27,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler
+from engine.step_io import SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        # The SchedulerOutput of the step being run, until it returns: after an exception,
+        # `fail_step` fails exactly the requests that were in it.
+        self._step_output: SchedulerOutput | None = None
         logger.info(
             "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d "
             "max_model_len=%d load_s=%.1f",
@@ -239,8 +243,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ---- stepping -------------------------------------------------------------------------
+    def has_request(self, request_id: str) -> bool:
+        """True while the request (any of its samples) is held by the engine."""
+        return request_id in self.outputs.groups
+
     def step(self) -> list[RequestOutput]:
-        so = self.scheduler.schedule()
+        self._step_output = None
+        so = self._step_output = self.scheduler.schedule()
         runner_out = self.runner.execute(so)
         updated = self.scheduler.update_from_output(so, runner_out)
         self._generation_tokens_total += sum(len(t) for t in runner_out.sampled_token_ids)
@@ -256,12 +265,31 @@ class LLMEngine:
             results.append(out)
             if out.finished:
                 self.outputs.remove_group(gid)
+        self._step_output = None
         return results
 
+    def fail_step(self, message: str) -> list[RequestOutput]:
+        """After `step` raised: fail the requests that were in that step and free their
+        blocks; requests not in it keep their place. If scheduling itself raised, nothing
+        is known, so everything fails."""
+        so, self._step_output = self._step_output, None
+        if so is None:
+            return self.fail_all(message)
+        in_step = set(so.num_scheduled_tokens)
+        gids = [
+            gid
+            for gid, group in self.outputs.groups.items()
+            if any(s.request.request_id in in_step for s in group.samples)
+        ]
+        return self._fail_groups(gids, message)
+
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """After a step raised: fail every in-flight request, free its blocks, keep the engine."""
+        """Fails every in-flight request and frees its blocks; the engine carries on."""
+        return self._fail_groups(list(self.outputs.groups), message)
+
+    def _fail_groups(self, gids: list[str], message: str) -> list[RequestOutput]:
         results = []
-        for gid in list(self.outputs.groups):
+        for gid in gids:
             group = self.outputs.groups[gid]
             ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)

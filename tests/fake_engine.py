@@ -143,11 +143,11 @@ class FakeLLMEngine:
         self.thread_ids.add(threading.get_ident())
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        if self.fail_steps:
-            self.fail_steps -= 1
-            raise RuntimeError("injected step failure")
         while self.waiting and len(self.running) < self.config.scheduler.max_num_seqs:
             self.running.append(self.waiting.pop(0))
+        if self.fail_steps:  # after admission: the admitted requests were in the failed step
+            self.fail_steps -= 1
+            raise RuntimeError("injected step failure")
         results = []
         for r in list(self.running):
             for i, toks in enumerate(r.out):
@@ -164,6 +164,15 @@ class FakeLLMEngine:
         outs = [self._output(r, True, message) for r in self.running + self.waiting]
         self.running, self.waiting = [], []
         return outs
+
+    def fail_step(self, message: str) -> list[RequestOutput]:
+        """Fails the batch of the step that raised (every running request); waiting ones stay."""
+        outs = [self._output(r, True, message) for r in self.running]
+        self.running = []
+        return outs
+
+    def has_request(self, request_id: str) -> bool:
+        return any(r.request_id == request_id for r in self.running + self.waiting)
 
     def stats(self) -> FakeStats:
         s = self._stats

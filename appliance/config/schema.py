@@ -66,14 +66,20 @@ class ServerConfig:
     # Empty: no authentication. Otherwise `Authorization: Bearer <key>` on /v1/*, /tokenize
     # and /detokenize.
     api_keys: tuple[str, ...] = ()
-    # Bytes; larger request bodies get 413.
+    # Bytes; larger request bodies get 413 (HTTP) or RESOURCE_EXHAUSTED (gRPC messages).
     max_request_body: int = 8 * 1024 * 1024
+    # Bytes of request line plus headers; larger get 431. Bounds what a client can make the
+    # server buffer before any route (or the API-key check) runs.
+    max_header_bytes: int = 16 * 1024
     # Empty: CORS off. ["*"] allows any origin.
     cors_origins: tuple[str, ...] = ()
     # Seconds in-flight requests may take to finish after SIGTERM.
     shutdown_grace_s: float = 30.0
     # Prompts and outputs appear in logs only when true.
     log_prompts: bool = False
+    # Seconds one engine step may run before the engine counts as hung: health turns
+    # unhealthy and `appliance serve` exits non-zero. None: no watchdog.
+    step_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "server.host", "must not be empty")
@@ -87,7 +93,10 @@ class ServerConfig:
             )
         _require(all(self.api_keys), "server.api_keys", "keys must be non-empty strings")
         _require(self.max_request_body >= 1024, "server.max_request_body", "must be >= 1024")
+        _require(self.max_header_bytes >= 1024, "server.max_header_bytes", "must be >= 1024")
         _require(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
+        if self.step_timeout_s is not None:
+            _require(self.step_timeout_s > 0, "server.step_timeout_s", "must be > 0 or null")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from typing import Any
 
 import grpc
 
+from appliance.grpc.guard import same_shape
+
 EXEMPT_METHODS = frozenset(
     {
         "/grpc.health.v1.Health/Check",
@@ -68,14 +70,4 @@ def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _MESSAGE)
 
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, **kw)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny, **kw)
-    return grpc.unary_unary_rpc_method_handler(deny, **kw)
+    return same_shape(handler, lambda _behavior, _unary: deny, handler.request_deserializer)

@@ -12,6 +12,7 @@ statuses (NOT_FOUND for an unknown model).
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,6 +21,7 @@ import grpc
 
 from appliance.grpc import errors
 from appliance.grpc.errors import RpcError
+from appliance.grpc.guard import INTERNAL_MESSAGE
 from appliance.grpc.kserve_tensors import INPUTS, OUTPUTS, LLMRequest, infer_response, parse_request
 from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc
@@ -27,6 +29,8 @@ from appliance.grpc.streaming import DeltaTracker, Generation
 from appliance.telemetry import Tracing, record_request_span
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 _VERSIONS = ("", "1")
@@ -165,6 +169,9 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             fail(e.message)
         except errors.ENGINE_ERRORS as e:
             fail(errors.from_engine_error(e, _field_of).message)
+        except Exception:  # a bug: answer this request in-band, keep the stream's others
+            logger.exception("kserve stream request failed", extra={"fields": {"id": req.id}})
+            fail(INTERNAL_MESSAGE)
 
     async def _generate(
         self, req: kpb.ModelInferRequest, parsed: LLMRequest, carrier: Any

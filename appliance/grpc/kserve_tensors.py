@@ -123,14 +123,43 @@ def _parse_bool(key: str, v: Any) -> bool:
     raise invalid(f"sampling_parameters.{key}", f"must be a boolean, got {v!r}")
 
 
+def _as_is(key: str, v: Any) -> Any:
+    """A list/map-valued field, checked for shape here: SamplingParams trusts its types."""
+    if isinstance(v, str) and key != "stop":
+        v = _loads(v, f"sampling_parameters.{key}")
+    if key == "stop":
+        ok = isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+        want = "a string or a list of strings"
+    elif key == "logit_bias":
+        ok = isinstance(v, dict) and all(
+            isinstance(b, int | float) and not isinstance(b, bool) for b in v.values()
+        )
+        want = "an object of token id -> number"
+    else:  # stop_token_ids, allowed_token_ids
+        ok = isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+        want = "a list of token ids"
+    if not ok:
+        raise invalid(f"sampling_parameters.{key}", f"must be {want}, got {v!r:.80}")
+    return v
+
+
+def _loads(raw: bytes | str, name: str) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise invalid(name, "not valid JSON: nests too deeply") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of over 4300 digits
+        raise invalid(name, f"not valid JSON: {e}") from None
+
+
 def sampling_from_json(raw: bytes | None) -> SamplingParams:
-    """The vLLM backend's `sampling_parameters` JSON; string values are converted."""
+    """The vLLM backend's `sampling_parameters` JSON; string values are converted.
+
+    Any JSON type can arrive in any key, so every conversion error becomes an
+    INVALID_ARGUMENT naming the key, never an exception from deeper in the server."""
     if not raw:
         return SamplingParams()
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise invalid("sampling_parameters", f"not valid JSON: {e}") from e
+    obj = _loads(raw, "sampling_parameters")
     if not isinstance(obj, dict):
         raise invalid("sampling_parameters", "must be a JSON object")
     kw: dict[str, Any] = {}
@@ -143,11 +172,11 @@ def sampling_from_json(raw: bytes | None) -> SamplingParams:
             elif key in _BOOLS:
                 kw[key] = _parse_bool(key, v)
             elif key in _AS_IS:
-                kw[key] = json.loads(v) if isinstance(v, str) and key != "stop" else v
+                kw[key] = _as_is(key, v)
             else:
                 raise invalid(f"sampling_parameters.{key}", "unknown sampling parameter")
-        except (TypeError, ValueError) as e:
-            raise invalid(f"sampling_parameters.{key}", f"bad value {v!r}") from e
+        except (TypeError, ValueError, OverflowError) as e:
+            raise invalid(f"sampling_parameters.{key}", f"bad value {v!r:.80}") from e
     return SamplingParams(**kw)
 
 

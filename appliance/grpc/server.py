@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from appliance.grpc.auth import ApiKeyInterceptor
+from appliance.grpc.guard import GuardInterceptor
 from appliance.grpc.kserve import KServeServicer
 from appliance.grpc.native import ApplianceServicer
 from appliance.grpc.proto._pool import reflection_pool
@@ -44,16 +45,23 @@ class GrpcSettings:
     api_keys: tuple[str, ...] = ()
     # The name clients address the model by; None: the engine's `model_name`.
     model_name: str | None = None
-    max_message_bytes: int = 16 * 1024 * 1024
+    # Largest request message (the YAML's server.max_request_body); larger ones are refused
+    # with RESOURCE_EXHAUSTED before a handler runs.
+    max_receive_bytes: int = 8 * 1024 * 1024
+    max_message_bytes: int = 16 * 1024 * 1024  # largest response message
     # How often health re-reads the engine's state.
     health_poll_s: float = 1.0
     server_version: str = "0.1.0"
 
     @classmethod
     def from_server_config(cls, server: Any, **overrides: Any) -> GrpcSettings:
-        """From the YAML's `server` section (host, grpc_port, api_keys)."""
+        """From the YAML's `server` section (host, grpc_port, api_keys, max_request_body)."""
         return cls(
-            host=server.host, port=server.grpc_port, api_keys=tuple(server.api_keys), **overrides
+            host=server.host,
+            port=server.grpc_port,
+            api_keys=tuple(server.api_keys),
+            max_receive_bytes=server.max_request_body,
+            **overrides,
         )
 
 
@@ -87,10 +95,12 @@ async def _watch_health(
 
 
 def _interceptors(settings: GrpcSettings, tracing: Tracing | None) -> list[Any]:
-    # Tracing first, so that rejected calls are traced too.
+    # Tracing first, so that rejected calls are traced too; the guard innermost, around the
+    # handlers themselves.
     out: list[Any] = list(grpc_server_interceptors(tracing))
     if settings.api_keys:
         out.append(ApiKeyInterceptor(settings.api_keys))
+    out.append(GuardInterceptor())
     return out
 
 
@@ -103,7 +113,7 @@ async def start_grpc_server(
     """
     model = settings.model_name or async_engine.engine.model_name
     options: Iterable[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_receive_message_length", settings.max_receive_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]

@@ -2,7 +2,8 @@
 
 `build_app` does not own the AsyncEngine (several frontends may share it); whoever made
 the engine shuts it down. The middleware order, outermost first: CORS (only when
-configured, so preflights never need a key), access log, API-key check, the router.
+configured, so preflights never need a key), access log, header size limit, API-key check,
+the router.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from appliance.http.errors import (
     http_exception_handler,
     unhandled_error_handler,
 )
-from appliance.http.middleware import AccessLogMiddleware, AuthMiddleware
+from appliance.http.middleware import (
+    AccessLogMiddleware,
+    AuthMiddleware,
+    HeaderLimitMiddleware,
+)
 from appliance.http.openapi import ROUTES, build_openapi
 from appliance.http.serving import AppState
 from appliance.http.tracing_hook import HttpRequestTracer
@@ -90,6 +95,7 @@ def build_app(
             )
         )
     middleware.append(Middleware(AccessLogMiddleware, metrics=metrics))
+    middleware.append(Middleware(HeaderLimitMiddleware, max_bytes=server.max_header_bytes))
     middleware.append(Middleware(AuthMiddleware, api_keys=server.api_keys))
     app = Starlette(
         routes=route_list,

@@ -10,6 +10,7 @@ is dropped before validation.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -18,6 +19,9 @@ from starlette.requests import Request
 from appliance.http.errors import APIError, bad_request, from_validation_error
 
 M = TypeVar("M", bound=BaseModel)
+
+# A `\uD800`..`\uDFFF` escape: JSON may spell a lone surrogate, which no text can contain.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 # field -> predicate: True when the value is harmless and may be dropped.
 _HARMLESS = {
@@ -78,6 +82,27 @@ def _too_large(limit: int) -> APIError:
     )
 
 
+def _check_text(value: Any, path: str) -> None:
+    """400 naming the first string holding a lone surrogate (`"\\ud800"` decodes to one).
+
+    Such a string is valid JSON but not text: the tokenizer, the logs and the response
+    encoder would all raise on it, far from where it came in."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(
+                f"'{path}' contains an unpaired UTF-16 surrogate escape", path or None
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, path)
+            _check_text(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{path}.{i}")
+
+
 def check_unsupported(data: dict[str, Any]) -> None:
     """400 for unsupported parameters with a meaningful value; drops harmless ones."""
     for name, harmless in _HARMLESS.items():
@@ -102,10 +127,14 @@ async def read_json(request: Request, model: type[M], limit: int) -> M:
     raw = await read_body(request, limit)
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:  # `[[[[...`: the decoder's recursion limit, not a server fault
+        raise bad_request("Request body nests too deeply", None, "invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer of over 4300 digits
         raise bad_request(f"Request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("Request body must be a JSON object", None, "invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_text(data, "")
     check_unsupported(data)
     try:
         return model.model_validate(data, strict=True)

@@ -47,6 +47,17 @@ from engine.outputs import RequestOutput
 
 logger = logging.getLogger("appliance.http")
 
+# chat_template_kwargs the server sets itself, or that would change what rendering returns.
+# `chat_template` is refused as well: a template sent by the client is code the server runs
+# (Jinja's sandbox stops escapes, not `{% for %}` loops nested until the event loop stalls).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs",
+        "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+        "add_generation_prompt", "continue_final_message", "conversation", "messages", "tools",
+    }
+)  # fmt: skip
+
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
     """Plain dicts for the template; text parts joined, `developer` read as `system`."""
@@ -92,6 +103,12 @@ def render_chat(
             "continue_final_message",
         )
     kw = dict(template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kw))
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {reserved[0]!r}",
+            f"chat_template_kwargs.{reserved[0]}",
+        )
     if continue_final_message:
         kw["continue_final_message"] = True
     dicts = messages_to_dicts(messages)

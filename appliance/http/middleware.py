@@ -4,6 +4,9 @@
   `Authorization: Bearer <key>`; every key is compared in constant time.
 - `AccessLogMiddleware`: one structured line per request (method, route, status, duration,
   request id; never bodies) and the `appliance_http_responses_total` counter.
+- `HeaderLimitMiddleware`: 431 when the request line and headers exceed
+  `server.max_header_bytes`. h11 enforces the same limit only while headers are still
+  arriving; a block that lands in one read is parsed whole, so the app checks it again.
 """
 
 from __future__ import annotations
@@ -61,6 +64,24 @@ class AuthMiddleware:
                 err = APIError(
                     401, message, "invalid_request_error", None, "invalid_api_key",
                     {"WWW-Authenticate": "Bearer"},
+                )  # fmt: skip
+                return await err.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class HeaderLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+            size += sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+            if size > self.max_bytes:
+                err = APIError(
+                    431, "Request line and headers are too large", "invalid_request_error",
+                    None, "headers_too_large",
                 )  # fmt: skip
                 return await err.response()(scope, receive, send)
         await self.app(scope, receive, send)

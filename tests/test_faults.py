@@ -307,6 +307,8 @@ def test_sigterm_drains_in_flight_streams_and_cuts_what_outlives_the_grace(tiny_
         wait_for(lambda: _in_flight(sp.url) == 3, 15, "three streams running")
         sp.proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
+        # "Once draining began": the signal is handled on the server's loop, so wait for it.
+        wait_for(lambda: bool(sp.logged("shutdown requested")), 5, "the drain to begin")
         refused = _post_quietly(f"{sp.url}/v1/completions", GREEDY)
         for t in threads:
             t.join(30)

@@ -32,9 +32,17 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The full benchmark set (bench/README.md): peers side by side, results in bench/results/,
+# plots and the tables in docs/benchmarks.md. Takes about an hour on 2 cores (vLLM's
+# first run builds its own venv under ~/.cache/appliance-bench).
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q matplotlib
 	$(BIN)/python bench/scheduler_overhead.py
+	$(BIN)/python bench/kv_metrics.py
+	$(BIN)/python bench/prefix_ttft.py
+	$(BIN)/python bench/mfu.py
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/plot.py --update-docs
 
 # Regenerates the committed gRPC stubs (tests/test_grpc_proto.py checks they are in sync).
 proto: $(STAMP)

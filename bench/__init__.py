@@ -1,0 +1,1 @@
+"""Benchmark scripts (see bench/README.md). A package so `bench.common` always resolves here."""

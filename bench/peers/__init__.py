@@ -1,0 +1,1 @@
+"""One subprocess script per engine, run by bench/throughput.py."""

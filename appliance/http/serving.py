@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from appliance.config import ServerConfig
-from appliance.http.errors import APIError, from_engine_error
+from appliance.http.errors import UNAVAILABLE, APIError, from_engine_error
 from appliance.http.tracing_hook import HttpRequestTracer
 from appliance.metrics import ApplianceMetrics
 from engine.async_engine import AsyncEngine, RequestStream
@@ -101,6 +101,10 @@ async def submit(
 
     `trace` is (the HTTP request, GenAI operation name): with tracing on, each engine
     request is recorded as a span joined to the caller's `traceparent` when it ends."""
+    if state.shutting_down:
+        # Draining after SIGTERM: uvicorn closes its listener only on its next tick, so a
+        # connection accepted meanwhile must still be refused, not handed new work.
+        raise APIError(503, "the server is shutting down", type_=UNAVAILABLE, code="shutting_down")
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):

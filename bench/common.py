@@ -247,7 +247,8 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")  # one write: no interleaving
+    sys.stderr.flush()
 
 
 def base_record(bench: str) -> dict[str, Any]:

@@ -146,7 +146,8 @@ class PeerProc:
             if line.strip():
                 self.tail.append(line)
                 if self.args.verbose or " repeat " in line:
-                    print(f"    [{self.engine}] {line}", file=sys.stderr, flush=True)
+                    sys.stderr.write(f"    [{self.engine}] {line}\n")
+                    sys.stderr.flush()
         self.msgs.put(("EOF", {}))
 
     def _wait(self, want: str, timeout: float) -> dict[str, Any] | None:

@@ -109,6 +109,25 @@ def git_revision() -> str | None:
         return None
 
 
+def source_hash(dirs: tuple[str, ...] = ("engine", "graphs")) -> str | None:
+    """sha1 over the project's engine sources: tells runs on uncommitted code apart."""
+    import hashlib
+
+    h = hashlib.sha1()
+    files = sorted(
+        p for d in dirs for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts
+    )
+    if not files:
+        return None
+    for p in files:
+        h.update(str(p.relative_to(ROOT)).encode())
+        try:
+            h.update(p.read_bytes())
+        except OSError:
+            pass
+    return h.hexdigest()[:12]
+
+
 def now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
@@ -257,4 +276,5 @@ def base_record(bench: str) -> dict[str, Any]:
         "date": now_iso(),
         "machine": machine_info(),
         "git": git_revision(),
+        "engine_source_sha1": source_hash(),
     }

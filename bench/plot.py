@@ -68,6 +68,9 @@ def plot_throughput(recs: list[dict[str, Any]], out: Path) -> bool:
             else:
                 ratio = rec.get("ratios", {}).get(f"ours/{e}")
                 label = f"{r['tok_s']:.0f}" + (f"\n(ours {ratio:.2f}x)" if ratio else "")
+                runs = r.get("tok_s_all") or []
+                ax.plot([b.get_x() + b.get_width() / 2] * len(runs), runs, "k.", ms=5,
+                        label="single runs" if e == engines[0] else None)  # fmt: skip
             ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
                         va="bottom", fontsize=8)  # fmt: skip
         other = [
@@ -75,8 +78,10 @@ def plot_throughput(recs: list[dict[str, Any]], out: Path) -> bool:
         ]
         ax.set_title(f"{rec['model']} / {rec['workload']['workload']}\n"
                      f"{rec['date'][:10]}, others' load {other} cores", fontsize=9)  # fmt: skip
-        ax.set_ylabel("generated tokens/s")
-        ax.set_ylim(0, max(vals + [1]) * 1.3)
+        ax.set_ylabel("generated tokens/s (bar: median)")
+        tops = vals + [max(rec["engines"][e].get("tok_s_all") or [0]) for e in engines]
+        ax.set_ylim(0, max(tops + [1]) * 1.3)
+        ax.legend(loc="upper right", fontsize=7)
     m = recs[0].get("machine", {})
     fig.suptitle(f"Offline throughput, {m.get('cores', '?')}-core {m.get('cpu', '?')}\n"
                  f"{recs[0]['settings'].get('threads')} threads, fp32, median of "
@@ -177,8 +182,8 @@ def summary_md(tp: list[dict[str, Any]], prefix: dict[str, Any] | None) -> str:
             f"threads {tp[0]['settings'].get('threads')}, fp32. "
             f"`other cores` = cores other processes kept busy during the timed runs (shared box).",
             "",
-            "| model | workload | engine | tok/s (median) | runs | other cores | ours / engine | load s |",
-            "|---|---|---|---:|---|---|---:|---:|",
+            "| model | workload | engine | tok/s median | best | runs | other cores | ours / engine, median (best) | load s |",
+            "|---|---|---|---:|---:|---|---|---:|---:|",
         ]
         for rec in tp:
             for e in ENGINE_ORDER:
@@ -192,9 +197,12 @@ def summary_md(tp: list[dict[str, Any]], prefix: dict[str, Any] | None) -> str:
                     )
                     continue
                 ratio = rec.get("ratios", {}).get(f"ours/{e}")
+                best = max(r["tok_s_all"])
+                ours_best = max(rec["engines"]["ours"]["tok_s_all"]) if ratio else None
+                rtxt = f"{ratio:.2f} ({ours_best / best:.2f})" if ratio else ""
                 lines.append(
                     f"| {rec['model']} | {rec['workload']['workload']} | {e} | {fmt(r['tok_s'])} | "
-                    f"{r['tok_s_all']} | {r['other_cores_all']} | {fmt(ratio, 2) if ratio else ''} | "
+                    f"{fmt(best)} | {r['tok_s_all']} | {r['other_cores_all']} | {rtxt} | "
                     f"{fmt(r.get('load_s'))} |"
                 )
         lines.append("")

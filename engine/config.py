@@ -114,6 +114,9 @@ class RuntimeConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # CPU threads for torch; None leaves torch's default.
     num_threads: int | None = None
+    # CPU fast paths: the C paged-attention kernel and oneDNN-packed fp32 linear weights.
+    # False keeps plain torch (index_select + SDPA, F.linear), e.g. for bit-level comparisons.
+    cpu_kernels: bool = True
     compile: bool = False
     cuda_graphs: bool = True
     capture_sizes: tuple[int, ...] | None = None

@@ -81,7 +81,9 @@ class LLMEngine:
         self.model_name = config.model.served_name or _default_served_name(config, loaded)
         self.max_model_len = _max_model_len(config, loaded.hf_config)
         block_size = config.cache.block_size
-        self.runner = ModelRunner(model, self.device, loaded.dtype, block_size)
+        self.runner = ModelRunner(
+            model, self.device, loaded.dtype, block_size, cpu_kernels=rt.cpu_kernels and not rt.compile
+        )
         self.runner.eos_token_ids = tuple(sorted(self.tokenizer.eos_token_ids))
         if rt.compile:
             from graphs.compile import maybe_compile

@@ -19,7 +19,9 @@ from engine.step_io import RunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-def select_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+def select_attention_backend(
+    device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True
+) -> AttentionBackend:
     """FlashInfer on CUDA (16-bit caches) when it imports and works; the torch backend else."""
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         try:
@@ -30,7 +32,7 @@ def select_attention_backend(device: torch.device, dtype: torch.dtype) -> Attent
             logger.warning("flashinfer unavailable (%s); using the torch paged backend", e)
     from engine.attention.torch_paged import TorchPagedBackend
 
-    return TorchPagedBackend()
+    return TorchPagedBackend(native=cpu_kernels)
 
 
 class ModelRunner:
@@ -41,12 +43,16 @@ class ModelRunner:
         dtype: torch.dtype,
         block_size: int,
         backend: AttentionBackend | None = None,
+        cpu_kernels: bool = False,
     ):
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.backend = backend or select_attention_backend(device, dtype)
+        self.backend = backend or select_attention_backend(device, dtype, cpu_kernels)
+        if cpu_kernels and device.type == "cpu" and hasattr(model, "pack_for_cpu"):
+            packed = model.pack_for_cpu()
+            logger.info("packed %d fp32 linear weights for oneDNN", packed)
         # Set by `capture_graphs` on CUDA: replays decode-only steps from captured graphs.
         self.graph_runner = None
         self.sampler = Sampler()

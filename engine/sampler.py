@@ -65,6 +65,16 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return gen
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of [N, V]; first index on ties, NaN counts as the maximum.
+
+    On the CPU NumPy's argmax is ~6x faster than torch's at LM-head widths (0.65 vs 4.1 ms
+    for 64 x 49,152 fp32 here) and has the same tie and NaN rules."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1]:
+        return torch.from_numpy(x.contiguous().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 class Sampler:
     """Stateless: everything a step needs comes in with the rows."""
 
@@ -78,7 +88,7 @@ class Sampler:
             return SamplerOutput([], [])
         logits = logits.float()
         if _is_plain_greedy(rows):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = row_argmax(logits)
         else:
             token_ids = _sample(logits, rows)
         return SamplerOutput(token_ids.tolist(), _sampled_logprobs(logits, rows, token_ids))
@@ -137,9 +147,9 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
-        return logits.argmax(dim=-1)
+        return row_argmax(logits)
     device = logits.device
-    greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+    greedy_ids = row_argmax(logits) if any(greedy) else None
 
     # Greedy rows get temperature 1 so the division is harmless; their result is replaced.
     temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=True)]
@@ -190,7 +200,7 @@ def _exponential_race(
         u[i].uniform_(generator=gen)
     # Clamped so q is never 0: 0/0 would be NaN, which argmax treats as the maximum.
     q = u.log_().neg_().clamp_(min=torch.finfo(u.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return row_argmax(probs.div_(q))
 
 
 def _apply_allowed_token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

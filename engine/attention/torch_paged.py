@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.attention import native
 from engine.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
 
@@ -40,6 +41,7 @@ class _StepPlan:
     k_pos: torch.Tensor  # [L] key positions 0..L-1
     blocked: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> mask
     split: _Split | None = None  # mixed steps: decode/prefill partition, built on demand
+    items: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # native kernel
 
     def blocked_mask(self, window: int | None) -> torch.Tensor:
         """Boolean [R, 1, 1, Q, L], True where a query may NOT see a key (None = no window)."""
@@ -63,12 +65,19 @@ def _plan_key(md: AttentionMetadata) -> tuple:
 
 
 class TorchPagedBackend(AttentionBackend):
-    """Exact paged attention in plain torch, vectorized across requests."""
+    """Exact paged attention on the CPU (and the reference elsewhere).
+
+    Decode rows are batched: on the CPU with fp32 queries through the C kernel in
+    `engine/attention/native.py`, which reads K/V in place from the blocks; otherwise (no
+    compiler, other devices or dtypes, `native=False`) through SDPA over an index_select
+    gather of their blocks. Each prefill chunk gets one SDPA call over its gathered blocks.
+    """
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
         self._plan: _StepPlan | None = None
+        self.native = native
 
     def begin_step(self, metadata: AttentionMetadata) -> None:
         self._plan = self._build_plan(metadata, _plan_key(metadata))
@@ -143,6 +152,8 @@ class TorchPagedBackend(AttentionBackend):
             return self._forward_padded(q, kv_cache, metadata, layer)
         plan = self._get_plan(metadata)
         num_tokens, H, D = metadata.num_tokens, layer.num_heads, layer.head_dim
+        if self.native and native.supports(q, kv_cache, H, layer.num_kv_heads):
+            return self._attend_native(q, kv_cache, metadata, layer, plan)
         if plan.token_req is None:  # decode only
             result = self._attend_decode(q[:num_tokens], kv_cache, metadata, layer, None)
         else:
@@ -157,6 +168,33 @@ class TorchPagedBackend(AttentionBackend):
         if q.shape[0] != num_tokens:  # padded batch (e.g. graph buckets): zero the pad rows
             result = torch.cat([result, result.new_zeros(q.shape[0] - num_tokens, H, D)])
         return result
+
+    def _attend_native(self, q, kv_cache, md: AttentionMetadata, layer, plan: _StepPlan):
+        """Decode rows in one kernel call reading the cache in place; prefill chunks by SDPA.
+
+        The kernel handles one query row at a time, which is right for decode (memory-bound)
+        but wastes SDPA's blocked matmuls on a chunk of many queries (compute-bound)."""
+        if plan.items is None:
+            if plan.token_req is None:
+                rows = torch.arange(md.num_tokens, dtype=torch.long)
+                plan.items = (rows, rows, md.positions[: md.num_tokens].long().contiguous())
+            else:
+                split = _split_plan(plan, md)
+                rows = split.decode_tokens
+                plan.items = (rows, split.decode_reqs, md.positions[rows].long().contiguous())
+        rows, reqs, pos = plan.items
+        out = q.new_empty(q.shape[0], layer.num_heads, layer.head_dim)
+        if q.shape[0] != md.num_tokens:  # padded batch: pad rows stay zero
+            out[md.num_tokens :] = 0
+        if rows.numel():
+            native.paged_attention(
+                q, kv_cache, md.block_tables, rows, reqs, pos, out, layer.scale,
+                layer.sliding_window,
+            )  # fmt: skip
+        if plan.token_req is not None:
+            for r, start, end in _split_plan(plan, md).prefills:
+                out[start:end] = self._attend_chunk(q[start:end], kv_cache, md, layer, r)
+        return out
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, rows: int, L: int):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionLayerSpec, ForwardContext
+from engine.models.cpu_linear import pack_linears, pack_weight, packed_linear
 from engine.models.layers import FusedLinear, RMSNorm, silu_and_mul
 from engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -182,6 +183,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(hf_config.hidden_size, self.vocab_size, bias=False)
+        self._packed_embedding: torch.Tensor | None = None  # tied LM head, see pack_for_cpu
+
+    def pack_for_cpu(self) -> int:
+        """Pack every fp32 linear (and a tied LM head) for oneDNN; see models/cpu_linear.py."""
+        count = pack_linears(self)
+        emb = self.model.embed_tokens.weight
+        if self.lm_head is None and count and emb.dtype == torch.float32:
+            self._packed_embedding = pack_weight(emb)
+            count += 1
+        return count
 
     def forward(
         self,
@@ -197,8 +208,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (matmul in the model dtype, like HF)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self._packed_embedding is not None:
+            return packed_linear(hidden, self._packed_embedding, None, self.vocab_size).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our parameters, fusing q/k/v and gate/up.

@@ -1,0 +1,75 @@
+"""fp32 linear layers on the CPU through oneDNN with weights packed once at load.
+
+`F.linear` hands every call to MKL's sgemm, which re-packs the weight into its blocked
+layout on every call; at decode batch sizes (tens of rows) that repacking is a large part of
+each matmul. oneDNN can take a weight reordered once (`mkldnn._reorder_linear_weight`) and
+reuse it for any number of rows: measured here at batch 64 the q/k/v, gate/up and LM-head
+GEMMs ran 1.2-1.9x faster. The packed copy replaces the dense weight (memory stays flat);
+only tied embeddings keep both, because the embedding lookup needs the dense rows.
+
+Results differ from MKL's in the last bits (different blocking), so `runtime.cpu_kernels:
+false` keeps plain `F.linear` for bit-level comparisons.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN-reordered copy of a dense [out, in] fp32 weight, for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x [..., in] @ packed^T (+ bias) -> [..., out]."""
+    if x.dim() != 2:
+        lead = x.shape[:-1]
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+        return y.view(*lead, out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:
+        return x.new_empty(*x.shape[:-1], self.out_features)
+    return packed_linear(x.contiguous(), self.packed_weight, self.bias, self.out_features)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Switch every fp32 CPU `nn.Linear` in `model` to a packed weight; returns how many.
+
+    Call after the weights are loaded and before anything captures the modules."""
+    if not packing_available():
+        logger.info("oneDNN unavailable; fp32 linears stay on F.linear")
+        return 0
+    count = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or w is None:
+            continue
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2 or not w.numel():
+            continue
+        with torch.no_grad():
+            module.packed_weight = pack_weight(w)
+            bias = module.bias
+            if bias is not None:
+                module.bias = nn.Parameter(bias.detach().contiguous(), requires_grad=False)
+            # Drop the dense copy: after packing nothing reads it (forward is replaced).
+            module.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        module.forward = types.MethodType(_packed_forward, module)
+        count += 1
+    return count
+

@@ -47,7 +47,9 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.dtype in SUPPORTED_DTYPES, "model.dtype", f"must be one of {SUPPORTED_DTYPES}")
+        _require(
+            self.dtype in SUPPORTED_DTYPES, "model.dtype", f"must be one of {SUPPORTED_DTYPES}"
+        )
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "model.max_model_len", "must be >= 1")
 
@@ -68,9 +70,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require(_is_power_of_two(self.block_size), "cache.block_size", "must be a power of two")
         _require(self.block_size <= 1024, "cache.block_size", "must be <= 1024")
-        _require(
-            0.0 < self.memory_fraction <= 1.0, "cache.memory_fraction", "must be in (0, 1]"
-        )
+        _require(0.0 < self.memory_fraction <= 1.0, "cache.memory_fraction", "must be in (0, 1]")
         if self.num_kv_blocks is not None:
             _require(self.num_kv_blocks >= 1, "cache.num_kv_blocks", "must be >= 1")
         _require(self.cpu_kv_cache_gib > 0, "cache.cpu_kv_cache_gib", "must be > 0")

@@ -82,7 +82,11 @@ class LLMEngine:
         self.max_model_len = _max_model_len(config, loaded.hf_config)
         block_size = config.cache.block_size
         self.runner = ModelRunner(
-            model, self.device, loaded.dtype, block_size, cpu_kernels=rt.cpu_kernels and not rt.compile
+            model,
+            self.device,
+            loaded.dtype,
+            block_size,
+            cpu_kernels=rt.cpu_kernels and not rt.compile,
         )
         self.runner.eos_token_ids = tuple(sorted(self.tokenizer.eos_token_ids))
         if rt.compile:

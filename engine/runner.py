@@ -50,9 +50,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.backend = backend or select_attention_backend(device, dtype, cpu_kernels)
-        if cpu_kernels and device.type == "cpu" and hasattr(model, "pack_for_cpu"):
-            packed = model.pack_for_cpu()
-            logger.info("packed %d fp32 linear weights for oneDNN", packed)
+        if cpu_kernels and device.type == "cpu" and hasattr(model, "enable_cpu_kernels"):
+            logger.info("CPU kernels: %s", model.enable_cpu_kernels())
         # Set by `capture_graphs` on CUDA: replays decode-only steps from captured graphs.
         self.graph_runner = None
         self.sampler = Sampler()

@@ -89,7 +89,9 @@ class SamplingParams:
             _check(0 <= self.prompt_logprobs <= 20, "prompt_logprobs", "must be in [0, 20]")
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", "must be an integer")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
         _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -37,7 +37,15 @@ def _reference(q, k_all, v_all, seq_len, spec):
     return out
 
 
-def _run_case(q_lens, seq_lens, spec, slot_overrides=None, seed=0, dtype=torch.float32):
+@pytest.fixture(params=[True, False], ids=["native", "torch"])
+def native(request):
+    """Both CPU paths: the C kernel for decode rows, and index_select + SDPA."""
+    return request.param
+
+
+def _run_case(
+    q_lens, seq_lens, spec, slot_overrides=None, seed=0, dtype=torch.float32, native=True
+):
     """Pre-fill each request's earlier context into the cache, run one step, compare."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 64
@@ -58,7 +66,7 @@ def _run_case(q_lens, seq_lens, spec, slot_overrides=None, seed=0, dtype=torch.f
     k_new = torch.cat([k[s - n :] for k, n, s in zip(ks, q_lens, seq_lens, strict=True)])
     v_new = torch.cat([v[s - n :] for v, n, s in zip(vs, q_lens, seq_lens, strict=True)])
     before = cache.clone()
-    backend = TorchPagedBackend()
+    backend = TorchPagedBackend(native=native)
     backend.begin_step(md)
     out = backend.forward(torch.cat(qs), k_new, v_new, cache, md, spec)
     return out, (qs, ks, vs, tables, cache, before, md)
@@ -72,9 +80,9 @@ def _run_case(q_lens, seq_lens, spec, slot_overrides=None, seed=0, dtype=torch.f
         ([13], [13]),  # single prefill
     ],
 )
-def test_matches_naive_reference(q_lens, seq_lens):
+def test_matches_naive_reference(q_lens, seq_lens, native):
     spec = _spec()
-    out, (qs, ks, vs, *_rest) = _run_case(q_lens, seq_lens, spec)
+    out, (qs, ks, vs, *_rest) = _run_case(q_lens, seq_lens, spec, native=native)
     ref = torch.cat(
         [_reference(q, k, v, s, spec) for q, k, v, s in zip(qs, ks, vs, seq_lens, strict=True)]
     )
@@ -82,31 +90,31 @@ def test_matches_naive_reference(q_lens, seq_lens):
 
 
 @pytest.mark.parametrize("window", [1, 3, 6])
-def test_sliding_window_sees_only_last_window_keys(window):
+def test_sliding_window_sees_only_last_window_keys(window, native):
     q_lens, seq_lens = [9, 1, 4], [9, 14, 11]
     spec = _spec(window=window)
-    out, (qs, ks, vs, *_rest) = _run_case(q_lens, seq_lens, spec, seed=1)
+    out, (qs, ks, vs, *_rest) = _run_case(q_lens, seq_lens, spec, seed=1, native=native)
     ref = torch.cat(
         [_reference(q, k, v, s, spec) for q, k, v, s in zip(qs, ks, vs, seq_lens, strict=True)]
     )
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_logits_soft_cap_applied():
+def test_logits_soft_cap_applied(native):
     q_lens, seq_lens = [5, 1], [5, 8]
     spec = _spec(cap=0.5)
-    out, (qs, ks, vs, *_rest) = _run_case(q_lens, seq_lens, spec, seed=2)
+    out, (qs, ks, vs, *_rest) = _run_case(q_lens, seq_lens, spec, seed=2, native=native)
     ref = torch.cat(
         [_reference(q, k, v, s, spec) for q, k, v, s in zip(qs, ks, vs, seq_lens, strict=True)]
     )
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_new_kv_written_to_their_slots_and_minus_one_skipped():
+def test_new_kv_written_to_their_slots_and_minus_one_skipped(native):
     q_lens, seq_lens = [3, 1], [3, 6]
     # Token 1 (request 0, position 1) gets slot -1: nothing may be written for it.
     out, (qs, ks, vs, tables, cache, before, md) = _run_case(
-        q_lens, seq_lens, _spec(), slot_overrides={1: -1}, seed=3
+        q_lens, seq_lens, _spec(), slot_overrides={1: -1}, seed=3, native=native
     )
     expected = before.clone()
     for r, (n, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
@@ -135,11 +143,11 @@ def test_bfloat16_close_to_float32_reference():
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_plan_rebuilt_when_metadata_object_is_reused_with_new_lengths():
+def test_plan_rebuilt_when_metadata_object_is_reused_with_new_lengths(native):
     """A runner may mutate one metadata object in place; the backend must not reuse a plan."""
     spec = _spec()
     out1, (qs, ks, vs, tables, cache, _before, md) = _run_case([4], [4], spec, seed=5)
-    backend = TorchPagedBackend()
+    backend = TorchPagedBackend(native=native)
     backend.forward(qs[0], ks[0], vs[0], cache, md, spec)
     md2 = build_metadata([1], [5], [tables[0] + [63]], BLOCK)
     q, k, v = torch.randn(1, H, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention import native
 from engine.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from engine.kernels import attention as native
 
 
 @dataclass
@@ -68,7 +68,7 @@ class TorchPagedBackend(AttentionBackend):
     """Exact paged attention on the CPU (and the reference elsewhere).
 
     Decode rows are batched: on the CPU with fp32 queries through the C kernel in
-    `engine/attention/native.py`, which reads K/V in place from the blocks; otherwise (no
+    `engine/kernels/attention.py`, which reads K/V in place from the blocks; otherwise (no
     compiler, other devices or dtypes, `native=False`) through SDPA over an index_select
     gather of their blocks. Each prefill chunk gets one SDPA call over its gathered blocks.
     """

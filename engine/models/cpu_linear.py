@@ -37,7 +37,9 @@ def packed_linear(
     """x [..., in] @ packed^T (+ bias) -> [..., out]."""
     if x.dim() != 2:
         lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, x.shape[-1]), packed, bias, "none", [], ""
+        )
         return y.view(*lead, out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -72,4 +74,3 @@ def pack_linears(model: nn.Module) -> int:
         module.forward = types.MethodType(_packed_forward, module)
         count += 1
     return count
-

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionLayerSpec, ForwardContext
+from engine.kernels import fused
+from engine.models import cpu_fused
 from engine.models.cpu_linear import pack_linears, pack_weight, packed_linear
 from engine.models.layers import FusedLinear, RMSNorm, silu_and_mul
 from engine.models.rope import RotaryEmbedding, apply_rope
@@ -183,16 +185,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(hf_config.hidden_size, self.vocab_size, bias=False)
-        self._packed_embedding: torch.Tensor | None = None  # tied LM head, see pack_for_cpu
+        self._packed_embedding: torch.Tensor | None = None  # tied LM head, packed
+        self._cpu_fused = False  # forward through models/cpu_fused.py
 
-    def pack_for_cpu(self) -> int:
-        """Pack every fp32 linear (and a tied LM head) for oneDNN; see models/cpu_linear.py."""
+    def enable_cpu_kernels(self) -> str:
+        """fp32 on the CPU: oneDNN-packed linears (models/cpu_linear.py), and the fused
+        elementwise kernels (models/cpu_fused.py) when they build. Returns what was done."""
         count = pack_linears(self)
         emb = self.model.embed_tokens.weight
         if self.lm_head is None and count and emb.dtype == torch.float32:
             self._packed_embedding = pack_weight(emb)
             count += 1
-        return count
+        self._cpu_fused = fused.usable(emb)
+        return f"{count} linear weights packed, fused elementwise kernels {self._cpu_fused}"
 
     def forward(
         self,
@@ -200,6 +205,8 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, hidden]
+        if self._cpu_fused:
+            return cpu_fused.forward(self, input_ids, positions, ctx)
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos_sin = self.model.rotary_emb(positions, x.dtype)  # each [T, 1, D]
         for i, layer in enumerate(self.model.layers):

@@ -1,0 +1,119 @@
+"""Builds and loads the CPU kernels (csrc/*.c) as one shared library through ctypes.
+
+Why C and ctypes rather than a torch C++ extension: the kernels need no torch headers, so
+one `cc` call builds them in a couple of seconds on first use (a torch extension takes
+minutes on two cores). The library is cached under `~/.cache/appliance/kernels/` (or
+`APPLIANCE_KERNEL_CACHE`) keyed by the sources, the flags, the compiler and this CPU's
+feature flags, since it is built with `-march=native`. It is linked with `-fopenmp` and
+loaded after torch, whose bundled `libgomp.so.1` then satisfies the dependency, so both
+share one OpenMP runtime and thread pool.
+
+Failures (no compiler, a compile error, `APPLIANCE_CPU_KERNELS=off`) are logged once and
+`library()` returns None: callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch  # noqa: F401 - loads torch's libgomp before ours is resolved
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("paged_attention.c", "fused_ops.c")
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+]
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+SIGNATURES = {  # name -> argtypes; every function returns int or nothing
+    "paged_attention": [_ptr, _i64, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32,
+                        _i32, _i32, _i32, _f32, _ptr, _i64, _i32],
+    "fused_add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i64, _i32, _i32],
+    "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i32, _i32],
+    "rope_inplace": [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i64, _i32],
+}  # fmt: skip
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("APPLIANCE_KERNEL_CACHE") or Path.home() / ".cache/appliance/kernels"
+    return Path(root)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):  # sources and headers
+        h.update(path.name.encode() + path.read_bytes())
+    h.update(" ".join(FLAGS).encode() + version.encode() + _cpu_flags().encode())
+    out = cache_dir() / f"appliance_kernels-{h.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        cmd = [cc, *FLAGS, "-o", str(tmp_so), *(str(CSRC / s) for s in SOURCES), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp_so, out)  # atomic: concurrent builders never see half a file
+    return out
+
+
+def _load() -> ctypes.CDLL:
+    if os.environ.get("APPLIANCE_CPU_KERNELS", "auto").lower() in ("0", "off", "false", "no"):
+        raise RuntimeError("disabled by APPLIANCE_CPU_KERNELS")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    lib = ctypes.CDLL(str(_build(cc)))
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int if name == "paged_attention" else None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (built on first call; a failure is logged once)."""
+    global _lib, _error
+    if _lib is not None or _error is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _load()
+            except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
+                _error = str(e)
+                logger.info("CPU kernels unavailable (%s); using the plain torch ops", e)
+    return _lib

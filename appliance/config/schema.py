@@ -52,6 +52,7 @@ class RuntimeSection:
 
     device: str = "auto"
     num_threads: int | None = None
+    cpu_kernels: bool = True
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class AppConfig:
             runtime = RuntimeConfig(
                 device=self.runtime.device,
                 num_threads=self.runtime.num_threads,
+                cpu_kernels=self.runtime.cpu_kernels,
                 **{name: getattr(self.graphs, name) for name in _GRAPHS_FIELDS},
             )
         except ConfigError as e:

@@ -2,9 +2,9 @@
 
 Why C and ctypes rather than a torch C++ extension: the kernels need no torch headers, so
 one `cc` call builds them in a couple of seconds on first use (a torch extension takes
-minutes on two cores). The library is cached under `~/.cache/appliance/kernels/` (or
-`APPLIANCE_KERNEL_CACHE`) keyed by the sources, the flags, the compiler and this CPU's
-feature flags, since it is built with `-march=native`. It is linked with `-fopenmp` and
+minutes on two cores). The library is cached under `cache_dir()` keyed by the sources,
+the flags, the compiler and this CPU's feature flags, since it is built with
+`-march=native`. It is linked with `-fopenmp` and
 loaded after torch, whose bundled `libgomp.so.1` then satisfies the dependency, so both
 share one OpenMP runtime and thread pool.
 
@@ -56,8 +56,11 @@ _error: str | None = None
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("APPLIANCE_KERNEL_CACHE") or Path.home() / ".cache/appliance/kernels"
-    return Path(root)
+    """APPLIANCE_KERNEL_CACHE, else $XDG_CACHE_HOME/appliance/kernels (~/.cache by default)."""
+    if os.environ.get("APPLIANCE_KERNEL_CACHE"):
+        return Path(os.environ["APPLIANCE_KERNEL_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "appliance" / "kernels"
 
 
 def _cpu_flags() -> str:

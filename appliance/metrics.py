@@ -22,7 +22,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.async_engine import AsyncEngine, FinishedRequest
+from engine.async_engine import AsyncEngine
+from engine.request_stream import FinishedRequest
 
 PREFIX = "appliance"
 

@@ -24,6 +24,9 @@ from Python, so the watchdog is passive: with `step_timeout_s` set, a step runni
 than that makes the engine unhealthy and refuses new requests, and whoever supervises the
 process (`appliance serve`) exits so that it is restarted.
 
+The stream each caller holds (`RequestStream`) and what finish listeners get
+(`FinishedRequest`) live in `engine.request_stream`; both are importable from here too.
+
 This module imports no HTTP code and no torch (the LLMEngine is passed in or built lazily).
 """
 
@@ -46,7 +49,14 @@ from engine.errors import (
     QueueFullError,
     RequestFailedError,
 )
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import RequestOutput
+from engine.request_stream import (  # FinishedRequest and RequestStream are re-exported
+    FinishedRequest,
+    RequestStream,
+    _ack,
+    _run_callbacks,
+    request_outcome,
+)
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -57,76 +67,6 @@ logger = logging.getLogger(__name__)
 
 # Prompts longer than this (characters or token ids) are tokenized off the event loop.
 _OFFLOAD_PROMPT_LEN = 8192
-# Worst-first order used to give an n > 1 request a single outcome.
-_OUTCOME_ORDER = ("error", "abort", "length", "stop")
-
-
-@dataclass
-class FinishedRequest:
-    """What finish listeners (metrics, tracing) get once per request, on the engine thread."""
-
-    request_id: str
-    finish_reason: str  # stop | length | abort | error
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    metrics: RequestMetrics | None
-    output: RequestOutput | None
-
-
-def request_outcome(out: RequestOutput) -> str:
-    """One finish reason for the whole request (the worst of its samples')."""
-    if out.error:
-        return "error"
-    reasons = {o.finish_reason or "abort" for o in out.outputs}
-    return next((r for r in _OUTCOME_ORDER if r in reasons), "stop")
-
-
-class RequestStream:
-    """Async iterator over one request's cumulative outputs; `abort()` cancels it.
-
-    Filled from the engine thread through `loop.call_soon_threadsafe`; consumed on `loop`.
-    """
-
-    def __init__(self, request_id: str, owner: AsyncEngine, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self._owner = owner
-        self._loop = loop
-        self._latest: RequestOutput | None = None
-        self._exc: BaseException | None = None
-        self._event = asyncio.Event()
-        self.finished = False
-        # Engine-thread side: newest output delivered (for abort accounting).
-        self.last_output: RequestOutput | None = None
-
-    def _put(self, out: RequestOutput) -> None:
-        self._latest = out
-        self._event.set()
-
-    def _fail(self, exc: BaseException) -> None:
-        self._exc = exc
-        self._event.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while not self.finished:
-            if self._latest is not None:
-                out, self._latest = self._latest, None
-                self.finished = out.finished
-                return out
-            if self._exc is not None:
-                self.finished = True
-                raise self._exc
-            self._event.clear()
-            await self._event.wait()
-        raise StopAsyncIteration
-
-    def abort(self) -> None:
-        """Cancels the request in the engine unless it already finished. Idempotent."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
 
 
 @dataclass
@@ -486,17 +426,3 @@ class AsyncEngine:
                 fn(info)
             except Exception:
                 logger.exception("finish listener failed")
-
-
-def _ack(fut: asyncio.Future, err: BaseException | None) -> None:
-    if fut.done():
-        return
-    if err is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(err)
-
-
-def _run_callbacks(items: list[tuple[Callable, Any, Any]]) -> None:
-    for fn, target, arg in items:
-        fn(target, arg)

@@ -42,8 +42,8 @@ from appliance.http.serving import (
     submit,
     until_disconnect,
 )
-from engine.async_engine import RequestStream
 from engine.outputs import RequestOutput
+from engine.request_stream import RequestStream
 
 logger = logging.getLogger("appliance.http")
 

@@ -24,8 +24,9 @@ from appliance.config import ServerConfig
 from appliance.http.errors import UNAVAILABLE, APIError, from_engine_error
 from appliance.http.tracing_hook import HttpRequestTracer
 from appliance.metrics import ApplianceMetrics
-from engine.async_engine import AsyncEngine, RequestStream
+from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("appliance.http")

@@ -11,7 +11,8 @@ import threading
 from dataclasses import dataclass
 
 from appliance.telemetry import Tracing, record_request_span
-from engine.async_engine import AsyncEngine, FinishedRequest
+from engine.async_engine import AsyncEngine
+from engine.request_stream import FinishedRequest
 from engine.sampling_params import SamplingParams
 
 

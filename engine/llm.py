@@ -40,6 +40,7 @@ _OVERRIDES = {
     "num_threads": ("runtime", "num_threads"),
     "compile": ("runtime", "compile"),
     "cuda_graphs": ("runtime", "cuda_graphs"),
+    "cpu_kernels": ("runtime", "cpu_kernels"),
 }
 _SECTIONS = {
     "model": ModelConfig,

@@ -284,3 +284,20 @@ def test_prompt_logprobs_with_zero_top_list_only_the_target():
 def test_logits_shape_must_match_rows():
     with pytest.raises(ValueError):
         Sampler()(torch.randn(2, 5), [row()])
+
+
+def test_row_argmax_keeps_torch_tie_and_nan_rules():
+    """The NumPy fast path must pick what torch.argmax picks: first max, NaN wins."""
+    from engine.sampler import row_argmax
+
+    x = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 2.0],  # tie: first index
+            [float("nan"), 5.0, float("nan"), 1.0],  # NaN counts as the maximum
+            [-float("inf"), -float("inf"), -1.0, -float("inf")],
+            [2.0, float("inf"), float("inf"), 0.0],
+        ]
+    )
+    assert row_argmax(x).tolist() == x.argmax(dim=-1).tolist() == [1, 0, 2, 1]
+    assert row_argmax(x.double()).tolist() == [1, 0, 2, 1]  # other dtypes: torch itself
+    assert row_argmax(x[:, 1:]).tolist() == x[:, 1:].argmax(dim=-1).tolist()  # strided view

@@ -25,13 +25,11 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -40,31 +38,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from appliance.config import load_config  # noqa: E402
+from bench.serving_stats import (  # noqa: E402
+    BRIEF_KEYS,
+    PROMPTS,
+    Sample,
+    run_workers,
+    summarize,
+    write_rows,
+)
 
 RESULTS = ROOT / "bench" / "results" / "serving.jsonl"
-PROMPTS = [
-    "Once upon a time there was a little girl who lived in a village near the forest.",
-    "The capital of France is Paris. Paris is a city on the river Seine, and",
-    "Computers process numbers and words. A language model predicts the next token",
-    "The dragon slept in a cave under the hill. It was green and gold, and it loved",
-]
-
-
-@dataclass
-class Sample:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)
-    tokens: int = 0
-    error: str = ""
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))] * 1000, 3)
 
 
 class CpuMeter:
@@ -114,7 +97,6 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
         "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     t0 = time.perf_counter()
-    last = None
     s = Sample(ok=False)
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -130,11 +112,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
                     s.tokens = chunk["usage"]["completion_tokens"]
                 if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                     continue
-                if last is None:
-                    s.ttft = now - t0
-                else:
-                    s.itls.append(now - last)
-                last = now
+                s.chunk(now, t0)
         s.e2e = time.perf_counter() - t0
         s.ok = True
     except httpx.HTTPError as e:
@@ -145,41 +123,12 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
 async def run_level(
     url: str, concurrency: int, n: int, max_tokens: int
 ) -> tuple[list[Sample], float]:
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for i in range(n):
-        queue.put_nowait(PROMPTS[i % len(PROMPTS)])
-    samples: list[Sample] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         await one_request(client, PROMPTS[0], 2)  # warm the connection and the engine
-
-        async def worker() -> None:
-            while not queue.empty():
-                prompt = queue.get_nowait()
-                samples.append(await one_request(client, prompt, max_tokens))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(concurrency)])
-        wall = time.perf_counter() - t0
-    return samples, wall
-
-
-def summarize(samples: list[Sample], wall: float) -> dict:
-    ok = [s for s in samples if s.ok]
-    tokens = sum(s.tokens for s in ok)
-    itls = [x for s in ok for x in s.itls]
-    return {
-        "requests": len(samples),
-        "failed": len(samples) - len(ok),
-        "errors": sorted({s.error for s in samples if not s.ok})[:3],
-        "wall_s": round(wall, 3),
-        "req_per_s": round(len(ok) / wall, 3),
-        "output_tok_per_s": round(tokens / wall, 2),
-        "ttft_ms": {f"p{q}": pct([s.ttft for s in ok], q) for q in (50, 90, 99)},
-        "itl_ms": {f"p{q}": pct(itls, q) for q in (50, 90, 99)},
-        "e2e_ms": {f"p{q}": pct([s.e2e for s in ok], q) for q in (50, 90, 99)},
-        "mean_itl_ms": round(statistics.fmean(itls) * 1000, 3) if itls else None,
-    }
+        return await run_workers(
+            lambda prompt: one_request(client, prompt, max_tokens), PROMPTS, n, concurrency
+        )
 
 
 def start_server(sets: list[str], config: str | None) -> tuple[subprocess.Popen, str]:
@@ -273,8 +222,7 @@ def main() -> None:
             row = {**meta, "mode": "http", "concurrency": c, **summarize(samples, wall), "walls_s": walls,
                    "other_cpu_cores": cpu.other_cores, "own_cpu_cores": cpu.own_cores}  # fmt: skip
             rows.append(row)
-            print(json.dumps({k: row[k] for k in ("concurrency", "req_per_s", "output_tok_per_s",
-                                                  "ttft_ms", "itl_ms", "failed")}))  # fmt: skip
+            print(json.dumps({k: row[k] for k in BRIEF_KEYS}))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -290,11 +238,7 @@ def main() -> None:
            "other_cpu_cores": cpu.other_cores}  # fmt: skip
     rows.append(off)
     print(json.dumps({k: off[k] for k in ("wall_s", "output_tok_per_s", "server_overhead")}))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print(f"wrote {len(rows)} rows to {args.out}")
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """gRPC side of the serving benchmark: the same workload as bench/serving.py, over gRPC.
 
 `run_level_grpc(address, concurrency, n, max_tokens, prompts)` streams `appliance.v1`
-Generate calls from `concurrency` workers on one channel and returns samples shaped like
-serving.py's (`ok, ttft, e2e, itls, tokens, error`), so its `summarize` reports HTTP and
-gRPC side by side. Standalone:
+Generate calls from `concurrency` workers on one channel and returns the same `Sample`s as
+serving.py (bench/serving_stats.py), so one `summarize` reports HTTP and gRPC side by side.
+Standalone:
 
     python bench/serving_grpc.py --address 127.0.0.1:50051          # a running server
     python bench/serving_grpc.py --tiny                              # serves a tiny model itself
@@ -20,12 +20,10 @@ import asyncio
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -35,36 +33,27 @@ sys.path.insert(0, str(ROOT))
 
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb  # noqa: E402
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc  # noqa: E402
+from bench.serving_stats import (  # noqa: E402
+    BRIEF_KEYS,
+    PROMPTS,
+    Sample,
+    run_workers,
+    summarize,
+    write_rows,
+)
 
 RESULTS = ROOT / "bench" / "results" / "serving_grpc.jsonl"
-PROMPTS = [
-    "Once upon a time there was a little girl who lived in a village near the forest.",
-    "The capital of France is Paris. Paris is a city on the river Seine, and",
-    "Computers process numbers and words. A language model predicts the next token",
-    "The dragon slept in a cave under the hill. It was green and gold, and it loved",
-]
-
-
-@dataclass
-class GrpcSample:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)
-    tokens: int = 0
-    error: str = ""
 
 
 async def grpc_request(
     stub: pb_grpc.ApplianceStub, prompt: str, max_tokens: int, metadata: tuple = ()
-) -> GrpcSample:
+) -> Sample:
     req = pb.GenerateRequest(
         text=prompt,
         sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
     )
-    s = GrpcSample(ok=False)
+    s = Sample(ok=False)
     t0 = time.perf_counter()
-    last = None
     try:
         async for r in stub.Generate(req, metadata=metadata):
             now = time.perf_counter()
@@ -72,11 +61,7 @@ async def grpc_request(
                 s.tokens = r.usage.completion_tokens
             if not r.text:
                 continue
-            if last is None:
-                s.ttft = now - t0
-            else:
-                s.itls.append(now - last)
-            last = now
+            s.chunk(now, t0)
         s.e2e = time.perf_counter() - t0
         s.ok = True
     except grpc.aio.AioRpcError as e:
@@ -91,50 +76,15 @@ async def run_level_grpc(
     max_tokens: int,
     prompts: list[str] = PROMPTS,
     api_key: str | None = None,
-) -> tuple[list[GrpcSample], float]:
+) -> tuple[list[Sample], float]:
     """`n` requests from `concurrency` workers; (samples, wall seconds of the timed part)."""
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for i in range(n):
-        queue.put_nowait(prompts[i % len(prompts)])
     md = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-    samples: list[GrpcSample] = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.ApplianceStub(channel)
         await grpc_request(stub, prompts[0], 2, md)  # warm the channel and the engine
-
-        async def worker() -> None:
-            while not queue.empty():
-                samples.append(await grpc_request(stub, queue.get_nowait(), max_tokens, md))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(concurrency)])
-        wall = time.perf_counter() - t0
-    return samples, wall
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))] * 1000, 3)
-
-
-def summarize(samples: list[GrpcSample], wall: float) -> dict:
-    """The same keys as bench/serving.py's summary."""
-    ok = [s for s in samples if s.ok]
-    itls = [x for s in ok for x in s.itls]
-    return {
-        "requests": len(samples),
-        "failed": len(samples) - len(ok),
-        "errors": sorted({s.error for s in samples if not s.ok})[:3],
-        "wall_s": round(wall, 3),
-        "req_per_s": round(len(ok) / wall, 3),
-        "output_tok_per_s": round(sum(s.tokens for s in ok) / wall, 2),
-        "ttft_ms": {f"p{q}": _pct([s.ttft for s in ok], q) for q in (50, 90, 99)},
-        "itl_ms": {f"p{q}": _pct(itls, q) for q in (50, 90, 99)},
-        "e2e_ms": {f"p{q}": _pct([s.e2e for s in ok], q) for q in (50, 90, 99)},
-        "mean_itl_ms": round(statistics.fmean(itls) * 1000, 3) if itls else None,
-    }
+        return await run_workers(
+            lambda prompt: grpc_request(stub, prompt, max_tokens, md), prompts, n, concurrency
+        )
 
 
 def _serve(model_dir: str, port_file: str) -> None:
@@ -201,17 +151,12 @@ def main() -> None:
             )
             row = {**meta, "concurrency": c, **summarize(samples, wall)}
             rows.append(row)
-            keys = ("concurrency", "req_per_s", "output_tok_per_s", "ttft_ms", "itl_ms", "failed")
-            print(json.dumps({k: row[k] for k in keys}))
+            print(json.dumps({k: row[k] for k in BRIEF_KEYS}))
     finally:
         if proc is not None:
             proc.kill()
             proc.wait(30)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print(f"wrote {len(rows)} rows to {args.out}")
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,9 @@ bench: $(STAMP)
 	$(BIN)/python bench/kv_metrics.py
 	$(BIN)/python bench/prefix_ttft.py
 	$(BIN)/python bench/mfu.py
-	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/throughput.py --workloads w64
+	$(BIN)/python bench/throughput.py --models llama50m --workloads w256-long --repeats 2
+	$(BIN)/python bench/serving.py
 	$(BIN)/python bench/plot.py --update-docs
 
 # Regenerates the committed gRPC stubs (tests/test_grpc_proto.py checks they are in sync).

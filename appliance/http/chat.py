@@ -8,16 +8,13 @@ choices (`stream_options.include_usage`), then `data: [DONE]`.
 from __future__ import annotations
 
 import json
-import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from appliance.http import convert
-from appliance.http.body import read_json
 from appliance.http.errors import bad_request, from_engine_error
 from appliance.http.protocol import (
     ChatChoice,
@@ -32,20 +29,18 @@ from appliance.http.protocol import (
 from appliance.http.serving import (
     SSE_DONE,
     AppState,
-    ClientGone,
-    SSEResponse,
-    collect,
+    ChunkWriter,
+    begin,
+    log_done,
     merged,
     offload_if_large,
+    respond,
     sse,
-    state_of,
     submit,
-    until_disconnect,
+    whole_body,
 )
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
-
-logger = logging.getLogger("appliance.http")
 
 # chat_template_kwargs the server sets itself, or that would change what rendering returns.
 # `chat_template` is refused as well: a template sent by the client is code the server runs
@@ -121,11 +116,7 @@ def render_chat(
 
 
 async def create_chat_completion(request: Request) -> Response:
-    arrival = time.monotonic()
-    state = state_of(request)
-    req = await read_json(request, ChatCompletionRequest, state.server.max_request_body)
-    state.check_model(req.model)
-    params = convert.sampling_params(req)
+    arrival, state, req, params = await begin(request, ChatCompletionRequest)
     prompt_ids = await offload_if_large(
         _size(req.messages),
         render_chat,
@@ -146,15 +137,8 @@ async def create_chat_completion(request: Request) -> Response:
         map_param=lambda p: convert.engine_param(p, req),
         trace=(request, "chat"),
     )
-    if req.stream:
-        return SSEResponse(_stream(state, req, rid, streams), rid)
-    try:
-        finals = await until_disconnect(request, collect(streams), streams)
-    except ClientGone:
-        return Response(status_code=499)
-    body = _response(state, req, rid, finals[0])
-    _log_done(state, rid, req, finals[0])
-    return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
+    events = _stream(state, req, rid, streams) if req.stream else None
+    return await respond(request, rid, streams, events, lambda f: _response(state, req, rid, f[0]))
 
 
 def _size(messages: list[ChatMessage]) -> int:
@@ -175,6 +159,7 @@ def _num_top(req: ChatCompletionRequest) -> int:
 def _response(
     state: AppState, req: ChatCompletionRequest, rid: str, out: RequestOutput
 ) -> ChatCompletionResponse:
+    """The non-streamed answer; logs the request as done."""
     choices = []
     for c in out.outputs:
         lps = None
@@ -189,38 +174,18 @@ def _response(
                 stop_reason=c.stop_reason,
             )
         )
-    return ChatCompletionResponse(
-        id=rid,
-        created=int(time.time()),
-        model=state.model_name,
-        choices=choices,
-        usage=convert.usage([out]),
-    )
+    body = whole_body(ChatCompletionResponse, rid, state.model_name, choices, convert.usage([out]))
+    _log_done(state, rid, req, out)
+    return body
 
 
 async def _stream(
     state: AppState, req: ChatCompletionRequest, rid: str, streams: list[RequestStream]
 ) -> AsyncIterator[str]:
-    created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    sent_text: dict[int, int] = {}
-    sent_lps: dict[int, int] = {}
+    w = ChunkWriter(ChatCompletionChunk, rid, state.model_name, req.stream_options)
     final: RequestOutput | None = None
-
-    def chunk(choices: list[ChatChunkChoice]) -> str:
-        body = ChatCompletionChunk(
-            object="chat.completion.chunk",
-            id=rid,
-            created=created,
-            model=state.model_name,
-            choices=choices,
-        )
-        if include_usage:
-            body.usage = None
-        return sse(body.model_dump_json(exclude_unset=True))
-
     try:
-        yield chunk(
+        yield w.chunk(
             [
                 ChatChunkChoice(
                     index=i, delta=ChoiceDelta(role="assistant", content=""), logprobs=None,
@@ -233,13 +198,11 @@ async def _stream(
             final = out
             choices = []
             for c in out.outputs:
-                delta = c.text[sent_text.get(c.index, 0) :]
-                sent_text[c.index] = len(c.text)
+                delta = w.text_delta(c.index, c.text)
                 lps = None
                 if req.logprobs and c.logprobs is not None:
-                    start = sent_lps.get(c.index, 0)
-                    lps = convert.chat_logprobs(c.logprobs[start:], _num_top(req), state.token_str)
-                    sent_lps[c.index] = len(c.logprobs)
+                    new_lps = w.logprobs_delta(c.index, c.logprobs)
+                    lps = convert.chat_logprobs(new_lps, _num_top(req), state.token_str)
                 reason = convert.finish_reason(c.finish_reason)
                 if delta or reason or (lps and lps.content):
                     choices.append(
@@ -252,17 +215,9 @@ async def _stream(
                         )
                     )
             if choices:
-                yield chunk(choices)
-        if include_usage and final is not None:
-            body = ChatCompletionChunk(
-                object="chat.completion.chunk",
-                id=rid,
-                created=created,
-                model=state.model_name,
-                choices=[],
-                usage=convert.usage([final]),
-            )
-            yield sse(body.model_dump_json())
+                yield w.chunk(choices)
+        if w.include_usage and final is not None:
+            yield w.usage(convert.usage([final]))
         if final is not None:
             _log_done(state, rid, req, final)
     except Exception as e:
@@ -271,13 +226,6 @@ async def _stream(
 
 
 def _log_done(state: AppState, rid: str, req: ChatCompletionRequest, out: RequestOutput) -> None:
-    fields: dict = {
-        "request_id": rid,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": sum(len(c.token_ids) for c in out.outputs),
-        "finish_reasons": ",".join(str(c.finish_reason) for c in out.outputs),
-    }
-    if state.server.log_prompts:
-        fields["messages"] = messages_to_dicts(req.messages)
-        fields["output"] = [c.text for c in out.outputs]
-    logger.info("chat completion done", extra={"fields": fields})
+    log_done(
+        state, rid, [out], "chat completion", "messages", lambda: messages_to_dicts(req.messages)
+    )

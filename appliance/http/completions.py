@@ -7,16 +7,13 @@ OpenAI's API. Streamed chunks carry text deltas (the engine's text only ever gro
 from __future__ import annotations
 
 import json
-import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from appliance.http import convert
-from appliance.http.body import read_json
 from appliance.http.errors import bad_request, from_engine_error
 from appliance.http.protocol import (
     CompletionChoice,
@@ -27,19 +24,17 @@ from appliance.http.protocol import (
 from appliance.http.serving import (
     SSE_DONE,
     AppState,
-    ClientGone,
-    SSEResponse,
-    collect,
+    ChunkWriter,
+    begin,
+    log_done,
     merged,
+    respond,
     sse,
-    state_of,
     submit,
-    until_disconnect,
+    whole_body,
 )
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
-
-logger = logging.getLogger("appliance.http")
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
@@ -55,11 +50,7 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 
 
 async def create_completion(request: Request) -> Response:
-    arrival = time.monotonic()
-    state = state_of(request)
-    req = await read_json(request, CompletionRequest, state.server.max_request_body)
-    state.check_model(req.model)
-    params = convert.sampling_params(req)
+    arrival, state, req, params = await begin(request, CompletionRequest)
     prompts = _prompts(req.prompt)
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await submit(
@@ -71,20 +62,14 @@ async def create_completion(request: Request) -> Response:
         arrival_time=arrival,
         trace=(request, "text_completion"),
     )
-    if req.stream:
-        return SSEResponse(_stream(state, req, rid, prompts, streams), rid)
-    try:
-        finals = await until_disconnect(request, collect(streams), streams)
-    except ClientGone:
-        return Response(status_code=499)
-    body = _response(state, req, rid, finals)
-    _log_done(state, rid, finals)
-    return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
+    events = _stream(state, req, rid, prompts, streams) if req.stream else None
+    return await respond(request, rid, streams, events, lambda f: _response(state, req, rid, f))
 
 
 def _response(
     state: AppState, req: CompletionRequest, rid: str, finals: list[RequestOutput]
 ) -> CompletionResponse:
+    """The non-streamed answer; logs the request as done."""
     choices = []
     for p, out in enumerate(finals):
         prefix = _prompt_text(state, out.prompt or out.prompt_token_ids) if req.echo else ""
@@ -101,13 +86,9 @@ def _response(
                     stop_reason=c.stop_reason,
                 )
             )
-    return CompletionResponse(
-        id=rid,
-        created=int(time.time()),
-        model=state.model_name,
-        choices=choices,
-        usage=convert.usage(finals),
-    )
+    body = whole_body(CompletionResponse, rid, state.model_name, choices, convert.usage(finals))
+    _log_done(state, rid, finals)
+    return body
 
 
 async def _stream(
@@ -118,27 +99,11 @@ async def _stream(
     streams: list[RequestStream],
 ) -> AsyncIterator[str]:
     """SSE chunks: text deltas per choice, a final chunk per choice, usage, [DONE]."""
-    created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    sent_text: dict[int, int] = {}
-    sent_lps: dict[int, int] = {}
+    w = ChunkWriter(CompletionStreamResponse, rid, state.model_name, req.stream_options)
     finals: list[RequestOutput | None] = [None] * len(streams)
-
-    def chunk(choices: list[CompletionChoice]) -> str:
-        body = CompletionStreamResponse(
-            object="text_completion",
-            id=rid,
-            created=created,
-            model=state.model_name,
-            choices=choices,
-        )
-        if include_usage:
-            body.usage = None
-        return sse(body.model_dump_json(exclude_unset=True))
-
     try:
         if req.echo:  # the prompt text first, once per choice
-            yield chunk(
+            yield w.chunk(
                 [
                     CompletionChoice(
                         index=p * req.n + i,
@@ -155,18 +120,14 @@ async def _stream(
             choices = []
             for c in out.outputs:
                 idx = p * req.n + c.index
-                delta = c.text[sent_text.get(idx, 0) :]
-                sent_text[idx] = len(c.text)
+                delta = w.text_delta(idx, c.text)
                 lps = None
                 if req.logprobs is not None and c.logprobs is not None:
-                    start = sent_lps.get(idx, 0)
+                    new_lps = w.logprobs_delta(idx, c.logprobs)
+                    offset = len(c.text) - len(delta)  # where the new text starts
                     lps = convert.completion_logprobs(
-                        c.logprobs[start:],
-                        req.logprobs,
-                        state.token_str,
-                        sent_text[idx] - len(delta),
+                        new_lps, req.logprobs, state.token_str, offset
                     )
-                    sent_lps[idx] = len(c.logprobs)
                 reason = convert.finish_reason(c.finish_reason)
                 if delta or reason or (lps and lps.tokens):
                     choices.append(
@@ -179,18 +140,9 @@ async def _stream(
                         )
                     )
             if choices:
-                yield chunk(choices)
-        if include_usage:
-            usage = convert.usage([f for f in finals if f is not None])
-            body = CompletionStreamResponse(
-                object="text_completion",
-                id=rid,
-                created=created,
-                model=state.model_name,
-                choices=[],
-                usage=usage,
-            )
-            yield sse(body.model_dump_json())
+                yield w.chunk(choices)
+        if w.include_usage:
+            yield w.usage(convert.usage([f for f in finals if f is not None]))
         _log_done(state, rid, [f for f in finals if f is not None])
     except Exception as e:
         yield sse(json.dumps(from_engine_error(e).body()))
@@ -202,13 +154,4 @@ def _prompt_text(state: AppState, prompt: str | list[int]) -> str:
 
 
 def _log_done(state: AppState, rid: str, finals: list[RequestOutput]) -> None:
-    fields = {
-        "request_id": rid,
-        "prompt_tokens": sum(len(o.prompt_token_ids) for o in finals),
-        "completion_tokens": sum(len(c.token_ids) for o in finals for c in o.outputs),
-        "finish_reasons": ",".join(str(c.finish_reason) for o in finals for c in o.outputs),
-    }
-    if state.server.log_prompts:
-        fields["prompt"] = [o.prompt for o in finals]
-        fields["output"] = [c.text for o in finals for c in o.outputs]
-    logger.info("completion done", extra={"fields": fields})
+    log_done(state, rid, finals, "completion", "prompt", lambda: [o.prompt for o in finals])

@@ -95,13 +95,24 @@ class UsageInfo(ResponseModel):
     prompt_tokens_details: dict[str, int] | None = None
 
 
-class CompletionResponse(ResponseModel):
+class CompletionEnvelope(ResponseModel):
+    """The fields every completion response and stream chunk starts with, in wire order.
+
+    Shared so the four response bodies cannot drift apart; each subclass narrows `object`
+    and `choices` (a redeclared field keeps its place, so the JSON key order is unchanged).
+    """
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[Any]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(CompletionEnvelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
     system_fingerprint: str | None = None
 
 
@@ -164,13 +175,9 @@ class ChatChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(ResponseModel):
-    id: str
+class ChatCompletionResponse(CompletionEnvelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: UsageInfo | None = None
     system_fingerprint: str | None = None
 
 
@@ -187,22 +194,14 @@ class ChatChunkChoice(ResponseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(ResponseModel):
-    id: str
+class ChatCompletionChunk(CompletionEnvelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
 
 
-class CompletionStreamResponse(ResponseModel):
-    id: str
+class CompletionStreamResponse(CompletionEnvelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
 
 
 # ---- models, tokenizer, misc -------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Plumbing shared by the generation routes: app state, submitting, merging, disconnects, SSE.
+"""Plumbing shared by the generation routes: app state, reading the request, submitting,
+merging, disconnects, the JSON or SSE answer and the closing log line.
 
 Cancellation is the point of most of this module: whatever way a request ends early (the
 client disconnects mid-stream or while waiting for a non-streamed answer, the server shuts
@@ -13,21 +14,31 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from appliance.config import ServerConfig
+from appliance.http import convert
+from appliance.http.body import read_json
 from appliance.http.errors import UNAVAILABLE, APIError, from_engine_error
+from appliance.http.protocol import (
+    CompletionEnvelope,
+    ResponseModel,
+    SamplingFields,
+    StreamOptions,
+    UsageInfo,
+)
 from appliance.http.tracing_hook import HttpRequestTracer
 from appliance.metrics import ApplianceMetrics
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
+from engine.step_io import TokenLogprobs
 
 logger = logging.getLogger("appliance.http")
 
@@ -73,6 +84,20 @@ class AppState:
 
 def state_of(request: Request) -> AppState:
     return request.app.state.appliance
+
+
+R = TypeVar("R", bound=SamplingFields)
+E = TypeVar("E", bound=CompletionEnvelope)
+
+
+async def begin(request: Request, model: type[R]) -> tuple[float, AppState, R, SamplingParams]:
+    """How every generation route starts (shared so they check in the same order): arrival
+    time, app state, the validated body, the model name, then the sampling parameters."""
+    arrival = time.monotonic()
+    state = state_of(request)
+    req = await read_json(request, model, state.server.max_request_body)
+    state.check_model(req.model)
+    return arrival, state, req, convert.sampling_params(req)  # type: ignore[arg-type]
 
 
 # Inputs bigger than this (characters) are tokenized off the event loop.
@@ -207,6 +232,49 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready (nothing can be sent)."""
 
 
+async def respond(
+    request: Request,
+    rid: str,
+    streams: Sequence[RequestStream],
+    events: AsyncIterator[str] | None,
+    finish: Callable[[list[RequestOutput]], ResponseModel],
+) -> Response:
+    """How every generation route answers once its requests are in the engine, shared so the
+    routes cannot differ in it: `events` as SSE when streaming; otherwise the final outputs,
+    turned into the JSON body by `finish` (which also logs), or a bare 499 if the client left
+    before them."""
+    if events is not None:
+        return SSEResponse(events, rid)
+    try:
+        finals = await until_disconnect(request, collect(streams), streams)
+    except ClientGone:
+        return Response(status_code=499)
+    body = finish(finals)
+    return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
+
+
+def log_done(
+    state: AppState,
+    rid: str,
+    finals: Sequence[RequestOutput],
+    what: str,
+    prompt_key: str,
+    prompt: Callable[[], Any],
+) -> None:
+    """The one log line a finished generation request writes (chat and text alike); the
+    prompt (`prompt()`, built only then) and outputs only with `server.log_prompts`."""
+    fields: dict = {
+        "request_id": rid,
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in finals),
+        "completion_tokens": sum(len(c.token_ids) for o in finals for c in o.outputs),
+        "finish_reasons": ",".join(str(c.finish_reason) for o in finals for c in o.outputs),
+    }
+    if state.server.log_prompts:
+        fields[prompt_key] = prompt()
+        fields["output"] = [c.text for o in finals for c in o.outputs]
+    logger.info(f"{what} done", extra={"fields": fields})
+
+
 class SSEResponse(Response):
     """Server-sent events that stop, and close their source, the moment the client leaves.
 
@@ -259,3 +327,60 @@ def sse(data: str) -> str:
 
 
 SSE_DONE = sse("[DONE]")
+
+
+def whole_body(cls: type[E], rid: str, model: str, choices: list, usage: UsageInfo) -> E:
+    """A non-streamed answer's body (chat or text), `created` now."""
+    return cls(id=rid, created=int(time.time()), model=model, choices=choices, usage=usage)
+
+
+class ChunkWriter:
+    """The SSE events of one streamed answer, chat or text: the same envelope rules for both,
+    and the same bookkeeping of what each choice has been sent so far.
+
+    Each chunk names its `object` explicitly (chunks are dumped with exclude_unset) and
+    carries `"usage": null` when usage was asked for; the usage chunk has no choices and is
+    dumped whole. `created` is fixed when the stream starts.
+    """
+
+    def __init__(
+        self,
+        cls: type[CompletionEnvelope],
+        rid: str,
+        model: str,
+        stream_options: StreamOptions | None,
+    ):
+        self.cls = cls
+        self.rid = rid
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = bool(stream_options and stream_options.include_usage)
+        self._sent_text: dict[int, int] = {}
+        self._sent_lps: dict[int, int] = {}
+
+    def text_delta(self, index: int, text: str) -> str:
+        """The text of choice `index` not sent yet (the engine's text only ever grows)."""
+        delta = text[self._sent_text.get(index, 0) :]
+        self._sent_text[index] = len(text)
+        return delta
+
+    def logprobs_delta(self, index: int, logprobs: list[TokenLogprobs]) -> list[TokenLogprobs]:
+        """The logprobs of choice `index` not sent yet."""
+        start = self._sent_lps.get(index, 0)
+        self._sent_lps[index] = len(logprobs)
+        return logprobs[start:]
+
+    def _body(self, choices: list, **kw: Any) -> CompletionEnvelope:
+        obj = self.cls.model_fields["object"].default
+        return self.cls(
+            object=obj, id=self.rid, created=self.created, model=self.model, choices=choices, **kw
+        )
+
+    def chunk(self, choices: list) -> str:
+        body = self._body(choices)
+        if self.include_usage:
+            body.usage = None
+        return sse(body.model_dump_json(exclude_unset=True))
+
+    def usage(self, usage: UsageInfo) -> str:
+        return sse(self._body([], usage=usage).model_dump_json())

@@ -171,3 +171,22 @@ def test_assistant_message_with_only_tool_calls_is_accepted(tok: Tokenizer):
         )
     finally:
         tok.hf.chat_template = original
+
+
+def test_raw_decode_fast_path_equals_transformers_decode(tiny_checkpoint):
+    """The Rust-level decode shortcut gives exactly what transformers' decode gives."""
+    import random
+
+    for d in [tiny_checkpoint("llama")]:
+        tok = Tokenizer.from_pretrained(d)
+        assert tok._raw_decode is not None, d
+        rng = random.Random(0)
+        specials = sorted(tok._special_ids)
+        for _ in range(300):
+            ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 12))]
+            if specials and rng.random() < 0.3:
+                ids.insert(rng.randint(0, len(ids)), rng.choice(specials))
+            for skip in (True, False):
+                assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(
+                    ids, skip_special_tokens=skip
+                )

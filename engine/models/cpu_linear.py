@@ -4,8 +4,9 @@
 layout on every call; at decode batch sizes (tens of rows) that repacking is a large part of
 each matmul. oneDNN can take a weight reordered once (`mkldnn._reorder_linear_weight`) and
 reuse it for any number of rows: measured here at batch 64 the q/k/v, gate/up and LM-head
-GEMMs ran 1.2-1.9x faster. The packed copy replaces the dense weight (memory stays flat);
-only tied embeddings keep both, because the embedding lookup needs the dense rows.
+GEMMs ran 1.2-1.9x faster, and from 4 rows up oneDNN wins. Below that (a single user's
+decode) MKL's GEMV on the dense weight is ~25% faster, so the dense weight is kept next to
+the packed copy and `SMALL_ROWS` picks: fp32 linear weights take twice their memory.
 
 Results differ from MKL's in the last bits (different blocking), so `runtime.cpu_kernels:
 false` keeps plain `F.linear` for bit-level comparisons.
@@ -17,9 +18,14 @@ import logging
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+# Inputs with fewer rows than this use F.linear on the dense weight (measured crossover:
+# SmolLM2's layer GEMMs, 30 layers, 2 threads: 1-3 rows F.linear faster, 4+ oneDNN faster).
+SMALL_ROWS = 4
 
 
 def packing_available() -> bool:
@@ -45,8 +51,8 @@ def packed_linear(
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() == 0:
-        return x.new_empty(*x.shape[:-1], self.out_features)
+    if x.numel() < SMALL_ROWS * x.shape[-1]:  # also the empty input
+        return F.linear(x, self.weight, self.bias)
     return packed_linear(x.contiguous(), self.packed_weight, self.bias, self.out_features)
 
 
@@ -69,8 +75,6 @@ def pack_linears(model: nn.Module) -> int:
             bias = module.bias
             if bias is not None:
                 module.bias = nn.Parameter(bias.detach().contiguous(), requires_grad=False)
-            # Drop the dense copy: after packing nothing reads it (forward is replaced).
-            module.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         module.forward = types.MethodType(_packed_forward, module)
         count += 1
     return count

@@ -23,7 +23,7 @@ from torch import nn
 from engine.attention.base import AttentionLayerSpec, ForwardContext
 from engine.kernels import fused
 from engine.models import cpu_fused
-from engine.models.cpu_linear import pack_linears, pack_weight, packed_linear
+from engine.models.cpu_linear import SMALL_ROWS, pack_linears, pack_weight, packed_linear
 from engine.models.layers import FusedLinear, RMSNorm, silu_and_mul
 from engine.models.rope import RotaryEmbedding, apply_rope
 
@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] float32 (matmul in the model dtype, like HF)."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self._packed_embedding is not None:
+        if self._packed_embedding is not None and hidden.shape[0] >= SMALL_ROWS:
             return packed_linear(hidden, self._packed_embedding, None, self.vocab_size).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 

@@ -292,3 +292,28 @@ def test_queue_full_is_429_with_the_real_engine(tiny_llama_dir):
             assert aeng.stats().kv_usage == 0
     finally:
         _shutdown(aeng)
+
+
+def test_stream_sends_each_finish_reason_once(served):
+    """Choices finishing at different steps: each index gets exactly one finish_reason."""
+    # Stopping on half the vocabulary at temperature 1 makes the four samples end at
+    # different steps (seeded, so the run is the same every time).
+    stops = list(range(0, 512, 2))
+    chunks = list(
+        served.client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=12, n=4, temperature=1.0,
+            seed=3, stream=True, extra_body={"stop_token_ids": stops},
+        )
+    )  # fmt: skip
+    finishes: dict[int, list[str]] = {}
+    for ch in chunks:
+        for c in ch.choices:
+            if c.finish_reason is not None:
+                finishes.setdefault(c.index, []).append(c.finish_reason)
+    assert sorted(finishes) == [0, 1, 2, 3]
+    assert all(len(v) == 1 for v in finishes.values()), finishes
+    last_chunk_of = {}
+    for i, ch in enumerate(chunks):
+        for c in ch.choices:
+            last_chunk_of[c.index] = i
+    assert len(set(last_chunk_of.values())) > 1  # they really did finish apart

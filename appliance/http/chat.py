@@ -203,7 +203,7 @@ async def _stream(
                 if req.logprobs and c.logprobs is not None:
                     new_lps = w.logprobs_delta(c.index, c.logprobs)
                     lps = convert.chat_logprobs(new_lps, _num_top(req), state.token_str)
-                reason = convert.finish_reason(c.finish_reason)
+                reason = w.finish_reason(c.index, convert.finish_reason(c.finish_reason))
                 if delta or reason or (lps and lps.content):
                     choices.append(
                         ChatChunkChoice(

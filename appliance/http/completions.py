@@ -128,7 +128,7 @@ async def _stream(
                     lps = convert.completion_logprobs(
                         new_lps, req.logprobs, state.token_str, offset
                     )
-                reason = convert.finish_reason(c.finish_reason)
+                reason = w.finish_reason(idx, convert.finish_reason(c.finish_reason))
                 if delta or reason or (lps and lps.tokens):
                     choices.append(
                         CompletionChoice(

@@ -357,12 +357,22 @@ class ChunkWriter:
         self.include_usage = bool(stream_options and stream_options.include_usage)
         self._sent_text: dict[int, int] = {}
         self._sent_lps: dict[int, int] = {}
+        self._finished: set[int] = set()
 
     def text_delta(self, index: int, text: str) -> str:
         """The text of choice `index` not sent yet (the engine's text only ever grows)."""
         delta = text[self._sent_text.get(index, 0) :]
         self._sent_text[index] = len(text)
         return delta
+
+    def finish_reason(self, index: int, reason: str | None) -> str | None:
+        """`reason` the first time choice `index` reports one, then None: a finished choice
+        of an n > 1 (or multi-prompt) stream gets exactly one chunk with its finish_reason,
+        not one more each time another choice produces output."""
+        if reason is None or index in self._finished:
+            return None
+        self._finished.add(index)
+        return reason
 
     def logprobs_delta(self, index: int, logprobs: list[TokenLogprobs]) -> list[TokenLogprobs]:
         """The logprobs of choice `index` not sent yet."""

@@ -116,6 +116,7 @@ class RuntimeConfig:
     num_threads: int | None = None
     # CPU fast paths: the C paged-attention kernel and oneDNN-packed fp32 linear weights.
     # False keeps plain torch (index_select + SDPA, F.linear), e.g. for bit-level comparisons.
+    # Off as well when `compile` is on: inductor compiles the plain ops instead.
     cpu_kernels: bool = True
     compile: bool = False
     cuda_graphs: bool = True

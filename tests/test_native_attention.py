@@ -131,7 +131,7 @@ def test_off_switch_falls_back_to_torch_with_the_same_answer(tmp_path):
         "from engine.attention.torch_paged import TorchPagedBackend\n"
         "from engine.attention.base import AttentionLayerSpec\n"
         "from tests.paged_harness import build_metadata\n"
-        "assert native.kernel() is None\n"
+        "assert native.library() is None\n"
         "torch.manual_seed(0)\n"
         "cache = torch.randn(8, 2, 4, 2, 16)\n"
         "md = build_metadata([1, 1], [5, 9], [[3, 1], [0, 2, 5]], 4)\n"
@@ -160,7 +160,7 @@ def test_off_switch_falls_back_to_torch_with_the_same_answer(tmp_path):
 
 def test_kernel_builds_into_its_cache_dir(tmp_path):
     env = dict(os.environ, APPLIANCE_KERNEL_CACHE=str(tmp_path))
-    code = "import torch\nfrom engine.kernels import attention as native\nassert native.kernel() is not None\n"
+    code = "import torch\nfrom engine.kernels import attention as native\nassert native.library() is not None\n"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=120)
     built = list(tmp_path.glob("appliance_kernels-*.so"))

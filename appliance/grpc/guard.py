@@ -15,6 +15,7 @@ wrapper turns into the same INVALID_ARGUMENT.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -71,23 +72,30 @@ async def _internal(method: str, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
 
+@contextlib.asynccontextmanager
+async def _mapped_errors(method: str, context: grpc.aio.ServicerContext):
+    """Undecodable requests become INVALID_ARGUMENT and unexpected exceptions INTERNAL;
+    aborts and cancellation pass through untouched."""
+    try:
+        yield
+    except (grpc.aio.AbortError, asyncio.CancelledError):
+        raise
+    except UndecodableMessage as e:
+        await _invalid(context, e)
+    except Exception:
+        await _internal(method, context)
+
+
 def _guard(behavior: Any, method: str, unary_request: bool) -> Any:
     """`behavior` with undecodable requests refused and unexpected exceptions made INTERNAL."""
-    passthrough = (grpc.aio.AbortError, asyncio.CancelledError)
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if unary_request:
                 await _reject(request, context)
-            try:
+            async with _mapped_errors(method, context):
                 async for item in behavior(request, context):
                     yield item
-            except passthrough:
-                raise
-            except UndecodableMessage as e:
-                await _invalid(context, e)
-            except Exception:
-                await _internal(method, context)
 
         return stream
     if inspect.iscoroutinefunction(behavior):
@@ -95,14 +103,8 @@ def _guard(behavior: Any, method: str, unary_request: bool) -> Any:
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if unary_request:
                 await _reject(request, context)
-            try:
+            async with _mapped_errors(method, context):
                 return await behavior(request, context)
-            except passthrough:
-                raise
-            except UndecodableMessage as e:
-                await _invalid(context, e)
-            except Exception:
-                await _internal(method, context)
 
         return unary
     return behavior  # synchronous handlers are not ours; leave them as they are

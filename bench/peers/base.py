@@ -62,6 +62,28 @@ def prompts_for_repeat(spec: dict[str, Any], r: int) -> list[list[int]]:
     return [[((p[0] - lo + r) % span) + lo, *p[1:]] for p in prompts]
 
 
+def greedy_params_and_warm_up(
+    llm: Any, sampling_params: type, spec: dict[str, Any], result: dict[str, Any]
+) -> list[Any]:
+    """Per-request greedy params (ignore_eos, the spec's max tokens) for an `LLM` with a
+    vLLM-style `generate`, after a short warm-up on the spec's warm-up prompts (its time in
+    result["warmup_s"]). `sampling_params` is the engine's own SamplingParams class."""
+    params = [
+        sampling_params(temperature=0, max_tokens=int(m), ignore_eos=True)
+        for m in spec["max_tokens"]
+    ]
+    warm = spec.get("warmup_prompts") or []
+    if warm:
+        t0 = time.perf_counter()
+        llm.generate(
+            [{"prompt_token_ids": p} for p in warm],
+            sampling_params(temperature=0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
+        result["warmup_s"] = round(time.perf_counter() - t0, 2)
+    return params
+
+
 def timed(fn: Callable[[], int]) -> dict[str, Any]:
     """Run fn (returns generated tokens) under a LoadMeter; the run's record."""
     with LoadMeter() as m:

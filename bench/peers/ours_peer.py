@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.peers.base import peer_main, prompts_for_repeat, timed  # noqa: E402
+from bench.peers.base import greedy_params_and_warm_up, peer_main, prompts_for_repeat, timed  # noqa: E402
 
 
 class StepSplit:
@@ -120,18 +120,7 @@ def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[
     result["load_s"] = round(time.perf_counter() - t0, 2)
     result["threads"] = torch.get_num_threads()
     result["settings"] = {"extra": extra}
-    max_tokens = spec["max_tokens"]
-    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in max_tokens]
-
-    warm = spec.get("warmup_prompts") or []
-    if warm:
-        t0 = time.perf_counter()
-        llm.generate(
-            [{"prompt_token_ids": p} for p in warm],
-            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-            use_tqdm=False,
-        )
-        result["warmup_s"] = round(time.perf_counter() - t0, 2)
+    params = greedy_params_and_warm_up(llm, SamplingParams, spec, result)
 
     split = StepSplit(llm.engine)
 

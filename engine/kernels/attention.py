@@ -14,11 +14,6 @@ from engine.kernels.build import library
 MAX_GROUP, MAX_BLOCK, MAX_HEAD_DIM, MAX_ACC = 64, 64, 512, 16384
 
 
-def kernel():
-    """The loaded library or None; kept for callers that only ask whether it is there."""
-    return library()
-
-
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
     """Whether paged_attention can serve this layer's tensors."""
     return (
@@ -31,7 +26,7 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, num_kv_hea
         and num_heads // num_kv_heads * kv_cache.shape[4] <= MAX_ACC
         and kv_cache.shape[2] <= MAX_BLOCK
         and kv_cache.shape[4] <= MAX_HEAD_DIM
-        and kernel() is not None
+        and library() is not None
     )
 
 
@@ -46,7 +41,7 @@ def paged_attention(
     scale: float,
     window: int | None,
 ) -> None:
-    lib = kernel()
+    lib = library()
     assert lib is not None, "call supports() first"
     H, D = q.shape[1], q.shape[2]
     Hkv, block_size = kv_cache.shape[3], kv_cache.shape[2]

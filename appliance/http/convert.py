@@ -147,15 +147,24 @@ def chat_logprobs(lps: Sequence[TokenLogprobs], num_top: int, token_str: TokenSt
 def completion_logprobs(
     lps: Sequence[TokenLogprobs], num_top: int, token_str: TokenStr, offset: int
 ) -> CompletionLogprobs:
-    """Legacy format; `offset` is the text offset of the first token (for streamed deltas)."""
-    out = CompletionLogprobs()
+    """Legacy format; `offset` is the text offset of the first token (for streamed deltas).
+
+    Every field is passed to the constructor: stream chunks are dumped with exclude_unset,
+    which would drop lists filled in after construction."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
     for lp in lps:
         tok = token_str(lp.token_id)
-        out.tokens.append(tok)
-        out.token_logprobs.append(_lp(lp.logprob))
+        tokens.append(tok)
+        token_logprobs.append(_lp(lp.logprob))
         top = {token_str(t): _lp(v) for t, v in lp.top[:num_top]}
         top.setdefault(tok, _lp(lp.logprob))
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
+        top_logprobs.append(top)
+        text_offset.append(offset)
         offset += len(tok)
-    return out
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
+        text_offset=text_offset,
+    )  # fmt: skip

@@ -1,8 +1,9 @@
-"""A deterministic stand-in for LLMEngine: same interface, no model, controllable timing.
+"""A deterministic stand-in for LLMEngine: same interface, no model.
 
 Used where a test needs what the real engine can't give on demand: a step that raises, a
-step that takes a known time, a queue that stays full. Each running request gets one token
-per step; token ids are letters ('a' + (prompt_len + i) % 26), so texts are predictable.
+queue that stays full (with `tests.waiting.StepGate` holding its steps). Each running
+request gets one token per step; token ids are letters ('a' + (prompt_len + i) % 26), so
+texts are predictable.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ class FakeLLMEngine:
         max_num_seqs: int = 4,
         max_queue_len: int = 8,
         max_model_len: int = 2048,
-        step_delay_s: float = 0.0,
     ):
         self.config = EngineConfig(
             model=ModelConfig(served_name="fake-model"),
@@ -79,7 +79,6 @@ class FakeLLMEngine:
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.device = "cpu"
-        self.step_delay_s = step_delay_s
         self.fail_steps = 0  # the next N steps raise
         self.thread_ids: set[int] = set()
         self.aborted: list[str] = []
@@ -141,8 +140,6 @@ class FakeLLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
         while self.waiting and len(self.running) < self.config.scheduler.max_num_seqs:
             self.running.append(self.waiting.pop(0))
         if self.fail_steps:  # after admission: the admitted requests were in the failed step

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from appliance.http.server import BackgroundServer
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from tests.test_grpc_harness import Harness, start_harness
+from tests.waiting import HANG_S, wait_for
 
 MAX_MODEL_LEN = 128
 
@@ -63,27 +63,6 @@ def tiny_engine(
 
 
 @dataclass
-class StepDelay:
-    """Seconds added to every engine step; change `delay_s` at any time."""
-
-    delay_s: float
-
-
-def slow_steps(llm_engine: Any, delay_s: float) -> StepDelay:
-    """Makes every step take at least `delay_s`: the tiny model finishes a request in a few
-    milliseconds, too fast for queues to fill or for a client to vanish mid-stream."""
-    step = llm_engine.step
-    delay = StepDelay(delay_s)
-
-    def slow() -> Any:
-        time.sleep(delay.delay_s)
-        return step()
-
-    llm_engine.step = slow
-    return delay
-
-
-@dataclass
 class Stack:
     """HTTP at `url`, gRPC at `grpc_address`, one engine behind both."""
 
@@ -102,7 +81,7 @@ class Stack:
     def grpc_address(self) -> str:
         return self.grpc.address
 
-    def run(self, coro: Any, timeout: float = 60.0) -> Any:
+    def run(self, coro: Any, timeout: float = HANG_S) -> Any:
         """Runs a coroutine on the gRPC harness loop (where grpc.aio channels must live)."""
         return self.grpc.run(coro, timeout)
 
@@ -138,14 +117,6 @@ def served(llm_engine: Any, server: ServerConfig | None = None, **kw: Any) -> It
         stack.close()
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        time.sleep(0.01)
-
-
 def is_idle(aeng: AsyncEngine) -> bool:
     s = aeng.stats()
     return aeng.num_in_flight == 0 and s.num_running == 0 and s.num_waiting == 0
@@ -157,11 +128,11 @@ def leaked_blocks(aeng: AsyncEngine) -> int:
     return s.num_blocks - s.num_free_blocks
 
 
-def wait_idle_and_free(aeng: AsyncEngine, timeout: float = 15.0) -> None:
-    """Waits until nothing is in flight, then asserts every KV block is back in the pool."""
-    wait_for(lambda: is_idle(aeng), timeout, f"engine idle ({aeng.stats()})")
-    # The stats snapshot is taken at the end of a loop iteration: give it one more.
-    wait_for(lambda: leaked_blocks(aeng) == 0, 2.0, f"all KV blocks free ({aeng.stats()})")
+def wait_idle_and_free(aeng: AsyncEngine) -> None:
+    """Waits until nothing is in flight, then until every KV block is back in the pool (the
+    stats snapshot is taken at the end of a loop iteration, so it may lag by one)."""
+    wait_for(lambda: is_idle(aeng), f"engine idle ({aeng.stats()})")
+    wait_for(lambda: leaked_blocks(aeng) == 0, f"all KV blocks free ({aeng.stats()})")
 
 
 def live_threads() -> set[str]:
@@ -175,7 +146,7 @@ def loop_tasks(loop: asyncio.AbstractEventLoop) -> set[asyncio.Task]:
         me = asyncio.current_task()
         return {t for t in asyncio.all_tasks() if t is not me and not t.done()}
 
-    return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(10)
+    return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(HANG_S)
 
 
 # ---- `appliance serve` as a subprocess ------------------------------------------------------
@@ -219,7 +190,7 @@ def tiny_serve_sets(model_dir: Path, grpc: bool = True, **overrides: Any) -> lis
 
 
 def spawn_serve(
-    args: list[str], module: str = "appliance", timeout: float = 180.0, records_max: int = 5000
+    args: list[str], module: str = "appliance", timeout: float = HANG_S, records_max: int = 5000
 ) -> ServeProcess:
     """Starts `python -m <module> <args>` and waits until HTTP (and gRPC, if enabled) listen.
 

@@ -1,14 +1,14 @@
 """AsyncEngine: the engine loop on its thread, streams, aborts, failures, shutdown.
 
-Most tests drive a `FakeLLMEngine` (deterministic tokens, injectable step failures and
-delays); the last ones run the real LLMEngine on the tiny checkpoint.
+Most tests drive a `FakeLLMEngine` (deterministic tokens, injectable step failures); the
+last ones run the real LLMEngine on the tiny checkpoint. Where a test needs a request still
+running, a `StepGate` holds the engine's steps: no test here waits on the clock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -16,10 +16,11 @@ from engine.async_engine import AsyncEngine, FinishedRequest
 from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from engine.sampling_params import SamplingParams
 from tests.fake_engine import FakeLLMEngine
+from tests.waiting import HANG_S, StepGate, wait_for_async
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
+    return asyncio.run(asyncio.wait_for(coro, HANG_S))
 
 
 async def _collect(aeng: AsyncEngine, prompt, **kw):
@@ -74,17 +75,15 @@ def test_invalid_request_raises_before_streaming():
 
 
 def test_closing_the_iterator_aborts_the_request_in_the_engine():
-    fake = FakeLLMEngine(step_delay_s=0.005)
+    fake = FakeLLMEngine()
     aeng = AsyncEngine(fake)
+    StepGate(fake, permits=1)  # one token, then held: the request cannot finish
 
     async def main():
         agen = aeng.generate("hi", SamplingParams(max_tokens=50), request_id="r1")
         await agen.__anext__()
         await agen.aclose()
-        for _ in range(200):
-            if not fake.has_unfinished_requests():
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_async(lambda: not fake.has_unfinished_requests(), "r1 aborted")
         await aeng.shutdown()
 
     run(main())
@@ -93,19 +92,17 @@ def test_closing_the_iterator_aborts_the_request_in_the_engine():
 
 
 def test_cancelling_the_consumer_task_aborts_the_request():
-    fake = FakeLLMEngine(step_delay_s=0.005)
+    fake = FakeLLMEngine()
     aeng = AsyncEngine(fake)
+    gate = StepGate(fake, permits=1)
 
     async def main():
         task = asyncio.create_task(_collect(aeng, "hi", max_tokens=500))
-        await asyncio.sleep(0.05)
+        await wait_for_async(lambda: gate.steps == 1, "the request running")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):
-            if not fake.has_unfinished_requests():
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_async(lambda: not fake.has_unfinished_requests(), "the request aborted")
         await aeng.shutdown()
 
     run(main())
@@ -113,15 +110,17 @@ def test_cancelling_the_consumer_task_aborts_the_request():
 
 
 def test_queue_full_is_refused_and_running_requests_are_unaffected():
-    fake = FakeLLMEngine(max_num_seqs=1, max_queue_len=1, step_delay_s=0.01)
+    fake = FakeLLMEngine(max_num_seqs=1, max_queue_len=1)
     aeng = AsyncEngine(fake)
+    gate = StepGate(fake, permits=1)  # the first request is admitted, then steps are held
 
     async def main():
         first = asyncio.create_task(_collect(aeng, "a", max_tokens=20))
-        await asyncio.sleep(0.05)  # running
+        await wait_for_async(lambda: gate.steps == 1, "the first request running")
         second = await aeng.add_request("b", SamplingParams(max_tokens=2))  # waits
         with pytest.raises(QueueFullError):
             await aeng.add_request("c", SamplingParams(max_tokens=2))
+        gate.open()
         outs = await first
         second_outs = [o async for o in second]
         await aeng.shutdown()
@@ -169,12 +168,17 @@ def test_consecutive_failing_steps_mark_the_engine_dead():
 
 
 def test_shutdown_lets_in_flight_requests_finish_within_the_grace_period():
-    aeng = AsyncEngine(FakeLLMEngine(step_delay_s=0.002))
+    fake = FakeLLMEngine()
+    aeng = AsyncEngine(fake)
+    gate = StepGate(fake)  # held until shutdown has begun: the request is surely in flight
 
     async def main():
         task = asyncio.create_task(_collect(aeng, "hi", max_tokens=10))
-        await asyncio.sleep(0.01)
-        await aeng.shutdown(grace_s=5)
+        await wait_for_async(lambda: aeng.num_in_flight == 1, "the request in flight")
+        shutdown = asyncio.create_task(aeng.shutdown(grace_s=HANG_S))
+        await wait_for_async(lambda: not aeng.is_accepting, "shutdown begun")
+        gate.open()
+        await shutdown  # returns once the request has finished, not after the grace
         with pytest.raises(EngineDeadError):
             await aeng.add_request("hi", SamplingParams())
         return await task
@@ -183,15 +187,14 @@ def test_shutdown_lets_in_flight_requests_finish_within_the_grace_period():
 
 
 def test_shutdown_aborts_what_outlives_the_grace_period():
-    fake = FakeLLMEngine(step_delay_s=0.01)
+    fake = FakeLLMEngine()
     aeng = AsyncEngine(fake)
+    gate = StepGate(fake, permits=1)  # one token, then held: it outlives any grace period
 
     async def main():
         task = asyncio.create_task(_collect(aeng, "hi", max_tokens=1000))
-        await asyncio.sleep(0.05)
-        t0 = time.monotonic()
-        await aeng.shutdown(grace_s=0.1)
-        assert time.monotonic() - t0 < 5
+        await wait_for_async(lambda: gate.steps == 1, "the request running")
+        await aeng.shutdown(grace_s=0.1)  # a shutdown that waited for the request would hang
         with pytest.raises(EngineDeadError, match="shutting down"):
             await task
 
@@ -209,7 +212,7 @@ def test_two_event_loops_share_one_engine():
     t = threading.Thread(target=other_loop)
     t.start()
     mine = run(_collect(aeng, "ab", max_tokens=4))
-    t.join(10)
+    t.join(HANG_S)
     assert mine[-1].finished and results[0][-1].finished
     run(aeng.shutdown())
 
@@ -234,12 +237,11 @@ def _real(model_dir, **sched):
 
 
 async def _wait_kv_free(aeng: AsyncEngine) -> None:
-    for _ in range(500):
+    def free() -> bool:
         s = aeng.stats()
-        if s.kv_usage == 0 and s.num_running == 0 and s.num_waiting == 0:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"blocks not freed: {aeng.stats()}")
+        return s.kv_usage == 0 and s.num_running == 0 and s.num_waiting == 0
+
+    await wait_for_async(free, f"blocks freed ({aeng.stats()})")
 
 
 def test_real_engine_concurrent_greedy_matches_transformers(tiny_llama_dir, hf_greedy):
@@ -256,15 +258,16 @@ def test_real_engine_concurrent_greedy_matches_transformers(tiny_llama_dir, hf_g
     assert run(main()) == hf_greedy(tiny_llama_dir, prompts, 6, ignore_eos=True)
 
 
-def test_real_engine_abort_frees_blocks_within_a_step(tiny_llama_dir):
+def test_real_engine_abort_frees_blocks_without_another_step(tiny_llama_dir):
     aeng = _real(tiny_llama_dir)
+    StepGate(aeng.engine, permits=1)  # prefill, then held: it cannot finish
 
     async def main():
         agen = aeng.generate([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
         await agen.__anext__()
         assert aeng.stats().kv_usage > 0
         await agen.aclose()
-        await _wait_kv_free(aeng)
+        await _wait_kv_free(aeng)  # still held: the abort itself frees the blocks
         await aeng.shutdown()
 
     run(main())

@@ -25,9 +25,10 @@ from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
 from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from tests.served_stack import StepDelay, slow_steps, tiny_engine, wait_idle_and_free
+from tests.served_stack import tiny_engine, wait_idle_and_free
 from tests.test_grpc_harness import Harness, start_harness
 from tests.test_grpc_server import BAD as GENERATE_BAD
+from tests.waiting import StepGate
 
 MAX_RECEIVE = 64 * 1024
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
@@ -72,11 +73,9 @@ GENERATE: list[tuple[str, pb.GenerateRequest, grpc.StatusCode, str | None]] = [
 
 
 @pytest.fixture(scope="module")
-def harness(tiny_llama_dir: Path) -> Iterator[tuple[Harness, StepDelay]]:
-    llm = tiny_engine(tiny_llama_dir)
-    delay = slow_steps(llm, 0.0)
-    h = start_harness(llm, max_receive_bytes=MAX_RECEIVE)
-    yield h, delay
+def harness(tiny_llama_dir: Path) -> Iterator[Harness]:
+    h = start_harness(tiny_engine(tiny_llama_dir), max_receive_bytes=MAX_RECEIVE)
+    yield h
     h.close()
 
 
@@ -109,7 +108,7 @@ def test_the_tables_hold_at_least_fifty_cases() -> None:
     "request_, code, field", [c[1:] for c in GENERATE], ids=[c[0] for c in GENERATE]
 )
 def test_bad_generate_gets_its_status_naming_the_field(harness, request_, code, field) -> None:
-    h, _ = harness
+    h = harness
 
     async def main() -> tuple:
         async with h.channel() as ch:
@@ -172,7 +171,7 @@ KSERVE_SAMPLING: list[tuple[str, bytes, str]] = [
 def test_bad_kserve_sampling_parameters_are_invalid_argument_naming_the_key(
     harness, sampling, field
 ) -> None:  # fmt: skip
-    h, _ = harness
+    h = harness
 
     async def main() -> tuple:
         async with h.channel() as ch:
@@ -233,7 +232,7 @@ UNARY = _unary_cases()
 def test_bad_unary_call_gets_its_status_naming_the_field(
     harness, method, request_, code, field
 ) -> None:
-    h, _ = harness
+    h = harness
 
     async def main() -> tuple:
         async with h.channel() as ch:
@@ -245,7 +244,7 @@ def test_bad_unary_call_gets_its_status_naming_the_field(
 
 
 def test_bytes_that_are_not_a_message_are_invalid_argument(harness) -> None:
-    h, _ = harness
+    h = harness
     garbage = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, length 2**32-1, then nothing
 
     async def main() -> list[tuple]:
@@ -263,7 +262,7 @@ def test_bytes_that_are_not_a_message_are_invalid_argument(harness) -> None:
 
 
 def test_oversized_message_and_metadata_are_refused_before_any_handler(harness) -> None:
-    h, _ = harness
+    h = harness
 
     async def main() -> list[tuple]:
         async with h.channel() as ch:
@@ -283,7 +282,7 @@ def test_oversized_message_and_metadata_are_refused_before_any_handler(harness) 
 
 
 def test_unknown_method_is_unimplemented(harness) -> None:
-    h, _ = harness
+    h = harness
 
     async def main() -> tuple:
         async with h.channel() as ch:
@@ -293,7 +292,7 @@ def test_unknown_method_is_unimplemented(harness) -> None:
 
 
 def test_duplicate_request_id_in_flight_is_invalid_argument(harness) -> None:
-    h, delay = harness
+    h = harness
 
     async def main() -> tuple:
         async with h.channel() as ch:
@@ -302,20 +301,20 @@ def test_duplicate_request_id_in_flight_is_invalid_argument(harness) -> None:
             first = stub.Generate(pb.GenerateRequest(text="a", request_id="dup", sampling=params))
             await first.read()
             second = await _status(stub.Generate(pb.GenerateRequest(text="b", request_id="dup")))
-            delay.delay_s = 0.0
+            gate.open()
             last = None
             while (r := await first.read()) is not grpc.aio.EOF:
                 last = r
             return second, last.finish_reason
 
-    delay.delay_s = 0.02
-    second, finish = h.run(main())
+    with StepGate(h.engine.engine, permits=1) as gate:  # "dup" stays in flight until opened
+        second, finish = h.run(main())
     _assert_names(second, INVALID, "request_id")
     assert finish == "length"
 
 
 def test_kserve_stream_reports_errors_in_band_and_serves_the_rest(harness) -> None:
-    h, _ = harness
+    h = harness
     good = _kserve(stream=True, sampling=_sp(max_tokens=3, ignore_eos=True))
     good.id = "good"
     bad = [_kserve(sampling=s, stream=True) for _, s, _ in KSERVE_SAMPLING[:6]]
@@ -335,7 +334,7 @@ def test_kserve_stream_reports_errors_in_band_and_serves_the_rest(harness) -> No
 
 
 def test_a_stream_in_flight_finishes_untouched_by_every_bad_call(harness) -> None:
-    h, delay = harness
+    h = harness
     greedy = pb.SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     request = pb.GenerateRequest(text="Once upon a time", sampling=greedy)
 
@@ -344,7 +343,8 @@ def test_a_stream_in_flight_finishes_untouched_by_every_bad_call(harness) -> Non
             stub = pb_grpc.ApplianceStub(ch)
             kstub = kpb_grpc.GRPCInferenceServiceStub(ch)
             expected = [t async for r in stub.Generate(request) for t in r.token_ids]
-            delay.delay_s = 0.05  # the stream outlasts every bad call
+            gate.close()  # one token, then held: the stream outlasts every bad call
+            gate.allow(1)
             call = stub.Generate(request)
             got = list((await call.read()).token_ids)
             bad = [stub.Generate(c[1]) for c in GENERATE + GENERATE_BAD]
@@ -353,12 +353,13 @@ def test_a_stream_in_flight_finishes_untouched_by_every_bad_call(harness) -> Non
             bad += [kstub.ModelInfer(_kserve(sampling=s)) for _, s, _ in KSERVE_SAMPLING]
             codes = [c for c, _, _ in await asyncio.gather(*[_status(b) for b in bad])]
             overlapped = h.engine.num_in_flight == 1
-            delay.delay_s = 0.0
+            gate.open()
             while (r := await call.read()) is not grpc.aio.EOF:
                 got += r.token_ids
             return expected, got, codes, overlapped
 
-    expected, got, codes, overlapped = h.run(main(), timeout=60)
+    with StepGate(h.engine.engine, permits=None) as gate:
+        expected, got, codes, overlapped = h.run(main())
     assert OK not in codes and grpc.StatusCode.INTERNAL not in codes, codes
     assert overlapped, "the stream ended before the bad calls did"
     assert got == expected

@@ -20,9 +20,10 @@ import httpx
 import pytest
 
 from appliance.config import ServerConfig
-from tests.served_stack import Stack, served, slow_steps, tiny_engine, wait_idle_and_free
+from tests.served_stack import Stack, served, tiny_engine, wait_idle_and_free
 from tests.test_http_api import BAD_TRANSPORT
 from tests.test_http_openai import ENGINE_BAD_INPUT
+from tests.waiting import HANG_S, StepGate, wait_for_async
 
 BODY_LIMIT = 64 * 1024
 HEADER_LIMIT = 8 * 1024
@@ -152,7 +153,6 @@ def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
         host="127.0.0.1", max_request_body=BODY_LIMIT, max_header_bytes=HEADER_LIMIT
     )
     with served(llm, server) as s:
-        s.delay = slow_steps(llm, 0.0)  # type: ignore[attr-defined]
         yield s
 
 
@@ -178,14 +178,14 @@ def test_the_table_has_at_least_fifty_distinct_cases() -> None:
 def test_malformed_request_gets_an_openai_error_naming_the_problem(
     stack: Stack, method, path, kwargs, status, param, code
 ) -> None:
-    with httpx.Client(base_url=stack.url, timeout=30) as c:
+    with httpx.Client(base_url=stack.url, timeout=HANG_S) as c:
         _check(c.request(method, path, **kwargs), status, param, code)
 
 
 def _raw_exchange(url: str, payload: bytes) -> tuple[int, dict]:
     """Sends bytes no HTTP client would send; returns (status, parsed JSON body)."""
     host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    with socket.create_connection((host, int(port)), timeout=HANG_S) as sock:
         try:
             sock.sendall(payload)
         except OSError:  # the server may answer and close before reading everything
@@ -229,35 +229,33 @@ def _all_bad_requests() -> list[tuple[str, str, dict[str, Any], int]]:
 
 def test_a_stream_in_flight_finishes_untouched_by_every_bad_request(stack: Stack) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
-    expected = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60).json()
+    expected = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=HANG_S).json()
     bad = _all_bad_requests()
-    # Slow enough that the stream outlasts every bad request even on a loaded machine; the
-    # delay is lifted as soon as they are answered, so it costs no wall time.
-    stack.delay.delay_s = 0.5  # type: ignore[attr-defined]
+    # One token, then held until every bad request is answered: the stream outlasts them all.
+    gate = StepGate(stack.aeng.engine, permits=1)
 
     async def main() -> tuple[str, list[int], bool]:
         limits = httpx.Limits(max_connections=32)
-        async with httpx.AsyncClient(base_url=stack.url, timeout=60, limits=limits) as c:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=HANG_S, limits=limits) as c:
             text = []
             async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                lines = r.aiter_lines()
-                async for line in lines:  # the first delta: the request is running
-                    if line.startswith("data: {"):
-                        first = json.loads(line[6:])
-                        text.append(first["choices"][0]["text"])
-                        break
+                rid = r.headers["x-request-id"]
+                await wait_for_async(lambda: gate.steps == 1, "the stream running")
                 statuses = await asyncio.gather(*[c.request(m, p, **kw) for m, p, kw, _ in bad])
                 # Still streaming afterwards? (Rejected requests may linger a step in the
                 # engine's table while their aborts land, so look for this stream's id.)
-                overlapped = first["id"] in stack.aeng._streams
-                stack.delay.delay_s = 0.0  # type: ignore[attr-defined]
-                async for line in lines:
+                overlapped = rid in stack.aeng._streams
+                gate.open()
+                async for line in r.aiter_lines():
                     if line.startswith("data: {"):
                         text += [ch["text"] for ch in json.loads(line[6:])["choices"]]
             return "".join(text), [s.status_code for s in statuses], overlapped
 
-    text, statuses, overlapped = asyncio.run(main())
+    try:
+        text, statuses, overlapped = asyncio.run(main())
+    finally:
+        gate.remove()
     assert statuses == [status for _, _, _, status in bad]
-    assert overlapped, "the stream ended before the bad requests did; slow the steps further"
+    assert overlapped, "the stream ended before the bad requests did"
     assert text == expected["choices"][0]["text"]
     wait_idle_and_free(stack.aeng)

@@ -14,6 +14,7 @@ import httpx
 import yaml
 
 from appliance.cli import main
+from tests.waiting import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +53,7 @@ def test_bad_config_exits_2_naming_the_key(capsys):
 def test_python_dash_m_appliance_runs():
     r = subprocess.run(
         [sys.executable, "-m", "appliance", "config", "show"],
-        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60,
+        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=HANG_S,
     )  # fmt: skip
     assert r.returncode == 0 and "scheduler:" in r.stdout
 
@@ -61,7 +62,7 @@ def test_generate_prints_a_completion(tiny_llama_dir):
     r = subprocess.run(
         [sys.executable, "-m", "appliance", "generate", "Hello", "--max-tokens", "4",
          *_tiny_sets(tiny_llama_dir)],
-        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120,
+        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=HANG_S,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.endswith("\n") and r.stdout.strip()
@@ -71,7 +72,7 @@ def test_serve_logs_startup_and_exits_0_on_sigterm_after_finishing_in_flight(tin
     proc = subprocess.Popen(
         [sys.executable, "-m", "appliance", "serve", *_tiny_sets(tiny_llama_dir),
          "--set", "server.http_port=0", "--set", "server.grpc_port=null",
-         "--set", "server.shutdown_grace_s=20", "--set", "telemetry.log_format=json"],
+         "--set", f"server.shutdown_grace_s={HANG_S}", "--set", "telemetry.log_format=json"],
         stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
     )  # fmt: skip
     lines: list[dict] = []
@@ -91,14 +92,14 @@ def test_serve_logs_startup_and_exits_0_on_sigterm_after_finishing_in_flight(tin
     t = threading.Thread(target=read, daemon=True)
     t.start()
     try:
-        assert port_seen.wait(120), lines
+        assert port_seen.wait(HANG_S), lines
         port = next(r["port"] for r in lines if r.get("msg") == "http listening")
         ready = next(r for r in lines if r.get("msg") == "engine ready")
         assert ready["device"] == "cpu" and ready["kv_blocks"] == 32 and ready["model"]
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health").status_code == 200
         body = {"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=HANG_S) as r:
             it = r.iter_lines()
             next(it)
             proc.send_signal(signal.SIGTERM)
@@ -106,10 +107,10 @@ def test_serve_logs_startup_and_exits_0_on_sigterm_after_finishing_in_flight(tin
         assert "data: [DONE]" in rest
         events = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(60) == 0
+        assert proc.wait(HANG_S) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    t.join(5)
+    t.join(HANG_S)  # the reader ends at EOF: every line is in
     assert any(r.get("msg") == "shutdown requested" for r in lines)
     assert not any("prompt" in r or "output" in r for r in lines)  # log_prompts is off

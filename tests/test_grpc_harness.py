@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,6 +20,7 @@ from appliance.grpc.server import GrpcSettings, start_grpc_server
 from appliance.telemetry import Tracing
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
+from tests.waiting import HANG_S
 
 T = TypeVar("T")
 PROMPTS = ["The capital of France is", "Once upon a time there was"]
@@ -34,7 +34,7 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = HANG_S) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def close(self) -> None:
@@ -53,20 +53,12 @@ class Harness:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = HANG_S) -> T:
         return self.loop.run(coro, timeout)
 
     def channel(self) -> grpc.aio.Channel:
         """A new channel on the harness loop (create it inside a coroutine run by `run`)."""
         return grpc.aio.insecure_channel(self.address)
-
-    def wait_until(self, cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if cond():
-                return True
-            time.sleep(0.01)
-        return cond()
 
     def close(self) -> None:
         async def stop() -> None:

@@ -1,7 +1,7 @@
 """The native gRPC service against the real tiny engine, over 127.0.0.1 with grpc.aio.
 
 Streaming output equals the offline engine's greedy output token for token; cancelling a
-call, its deadline or the Abort rpc free the request's KV blocks within a step or two; every
+call, its deadline or the Abort rpc free the request's KV blocks with no further step; every
 bad input gets its status naming the field; health and reflection answer.
 """
 
@@ -20,6 +20,7 @@ from appliance.grpc.errors import field_violation
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
 from tests.test_grpc_harness import PROMPTS, Harness, offline_greedy, start_harness, tiny_llm_engine
+from tests.waiting import HANG_S, StepGate, wait_for, wait_for_async
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 12
@@ -61,11 +62,34 @@ def test_streamed_generation_equals_the_offline_engines_greedy_output(served) ->
     for responses, (ids, text) in zip(h.run(main()), expected, strict=True):
         assert [t for r in responses for t in r.token_ids] == ids
         assert "".join(r.text for r in responses) == text
-        assert len(responses) > 1  # streamed, not one blob
         assert [r.finish_reason for r in responses] == [""] * (len(responses) - 1) + ["length"]
-        assert [r.HasField("usage") for r in responses][-1] and not responses[0].HasField("usage")
+        assert [r.HasField("usage") for r in responses][-1]
+        assert not any(r.HasField("usage") for r in responses[:-1])
         assert responses[-1].usage.completion_tokens == MAX_TOKENS
         assert len({r.request_id for r in responses}) == 1
+
+
+def test_a_client_that_keeps_up_gets_one_response_per_token(served) -> None:
+    """Streamed, not one blob: the engine steps only after the client read the previous
+    response (a client slower than the engine gets fewer, larger deltas instead)."""
+    h, expected = served
+
+    async def main() -> list:
+        async with h.channel() as ch:
+            call = pb_grpc.ApplianceStub(ch).Generate(
+                pb.GenerateRequest(text=PROMPTS[0], sampling=_greedy())
+            )
+            responses = []
+            while (r := await call.read()) is not grpc.aio.EOF:
+                responses.append(r)
+                gate.allow(1)
+            return responses
+
+    with StepGate(h.engine.engine, permits=1) as gate:
+        responses = h.run(main())
+    assert [list(r.token_ids) for r in responses] == [[t] for t in expected[0][0]]
+    assert "".join(r.text for r in responses) == expected[0][1]
+    assert responses[0].HasField("usage") is False and responses[-1].finish_reason == "length"
 
 
 def test_token_id_prompt_and_n_samples_report_indices_and_summed_usage(served) -> None:
@@ -101,38 +125,56 @@ def test_cancelling_the_call_aborts_the_request_and_frees_its_blocks(served) -> 
     h, _ = served
     before = _free_blocks(h)
 
-    async def main() -> int:
+    async def main() -> None:
         async with h.channel() as ch:
             call = pb_grpc.ApplianceStub(ch).Generate(
                 pb.GenerateRequest(text=PROMPTS[0], sampling=_greedy(400))
             )
-            for _ in range(3):
+            for i in range(3):
                 await call.read()
-            assert _free_blocks(h) < before
-            steps = h.engine.num_steps
+                if i < 2:
+                    gate.allow(1)
+            await wait_for_async(lambda: _free_blocks(h) < before, "the request holding blocks")
             call.cancel()
-            return steps
 
-    steps_at_cancel = h.run(main())
-    assert h.wait_until(lambda: _free_blocks(h) == before and h.engine.num_in_flight == 0)
-    assert h.engine.num_steps - steps_at_cancel <= 2
+    # A step per response read, none after the third: the request cannot finish, and the
+    # blocks come back while no step runs (the abort itself frees them).
+    with StepGate(h.engine.engine, permits=1) as gate:
+        h.run(main())
+        wait_for(lambda: _free_blocks(h) == before and h.engine.num_in_flight == 0, "blocks freed")
 
 
 def test_a_passed_deadline_aborts_the_request_and_frees_its_blocks(served) -> None:
+    """Steps are held after the first token, so the deadline passes before the request can
+    finish, however fast the box. The deadline is doubled until the first token arrives
+    before it (a slow box), so the request surely holds blocks when it passes."""
     h, _ = served
     before = _free_blocks(h)
 
-    async def main() -> grpc.StatusCode:
+    async def main(timeout: float) -> tuple[bool, grpc.StatusCode]:
+        started = False
         async with h.channel() as ch:
             req = pb.GenerateRequest(text=PROMPTS[1], sampling=_greedy(400))
+            call = pb_grpc.ApplianceStub(ch).Generate(req, timeout=timeout)
             try:
-                await _collect(pb_grpc.ApplianceStub(ch), req, timeout=0.3)
+                await call.read()  # the first token: the request is running, holding blocks
+                started = True
+                await call.read()  # held: only the deadline can end this
             except grpc.aio.AioRpcError as e:
-                return e.code()
-        return grpc.StatusCode.OK
+                return started, e.code()
+            return started, grpc.StatusCode.OK
 
-    assert h.run(main()) == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert h.wait_until(lambda: _free_blocks(h) == before and h.engine.num_in_flight == 0)
+    timeout = 0.3
+    while True:
+        with StepGate(h.engine.engine, permits=1):
+            started, code = h.run(main(timeout))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_for(lambda: _free_blocks(h) == before and h.engine.num_in_flight == 0,
+                     "blocks freed")  # fmt: skip
+        if started:
+            break
+        timeout *= 2
+        assert timeout < HANG_S, "the first token never arrived"
 
 
 def test_abort_rpc_ends_the_stream_with_finish_reason_abort(served) -> None:
@@ -156,11 +198,12 @@ def test_abort_rpc_ends_the_stream_with_finish_reason_abort(served) -> None:
                 again = e.code()
             return [first, *rest], again
 
-    responses, again = h.run(main())
+    with StepGate(h.engine.engine, permits=1):  # one token, then held: only the abort ends it
+        responses, again = h.run(main())
     assert responses[-1].finish_reason == "abort" and responses[-1].HasField("usage")
-    assert responses[-1].usage.completion_tokens < 400
+    assert responses[-1].usage.completion_tokens == 1
     assert again == grpc.StatusCode.NOT_FOUND
-    assert h.wait_until(lambda: _free_blocks(h) == before and h.engine.num_in_flight == 0)
+    wait_for(lambda: _free_blocks(h) == before and h.engine.num_in_flight == 0, "blocks freed")
 
 
 BAD = [

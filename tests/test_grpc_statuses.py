@@ -20,13 +20,14 @@ from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from tests.fake_engine import FakeLLMEngine
 from tests.test_grpc_harness import Harness, start_harness
+from tests.waiting import StepGate, wait_for
 
 KEY = "sk-test-123"
 
 
 @pytest.fixture()
 def fake() -> Iterator[tuple[FakeLLMEngine, Harness]]:
-    engine = FakeLLMEngine(max_num_seqs=1, max_queue_len=1, step_delay_s=0.01)
+    engine = FakeLLMEngine(max_num_seqs=1, max_queue_len=1)
     h = start_harness(engine, api_keys=(KEY, "other-key"))
     yield engine, h
     h.close()
@@ -84,13 +85,21 @@ def test_api_keys_guard_every_service_but_probes(fake) -> None:
 
 
 def test_full_queue_is_resource_exhausted_and_the_server_keeps_serving(fake) -> None:
-    _, h = fake
+    engine, h = fake
+    # Steps are held until one request has been refused: the first one waits in the queue
+    # (of one) meanwhile, so a refusal must come, and then everything accepted finishes.
+    gate = StepGate(engine)
+
+    async def one(stub) -> grpc.StatusCode:
+        code = await _code(_generate(stub, max_tokens=20))
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            gate.open()
+        return code
 
     async def main() -> tuple[list, str]:
         async with h.channel() as ch:
             stub = pb_grpc.ApplianceStub(ch)
-            # The fake runs one request and queues one: of four at once, some must be refused.
-            codes = await asyncio.gather(*[_code(_generate(stub, max_tokens=20)) for _ in range(4)])
+            codes = await asyncio.gather(*[one(stub) for _ in range(4)])
             after = await _generate(stub, max_tokens=2)
             return codes, after[-1].finish_reason
 
@@ -138,9 +147,10 @@ def test_health_is_not_serving_once_the_engine_is_dead(fake) -> None:
                 await _code(_generate(pb_grpc.ApplianceStub(ch), max_tokens=30))
 
     h.run(doomed())
-    assert h.wait_until(lambda: not h.engine.is_healthy)
+    wait_for(lambda: not h.engine.is_healthy, "engine dead")
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    assert h.wait_until(lambda: h.run(status("inference.GRPCInferenceService")) == not_serving)
+    wait_for(lambda: h.run(status("inference.GRPCInferenceService")) == not_serving,
+             "health NOT_SERVING")  # fmt: skip
     assert h.run(status()) == not_serving
 
     async def ready() -> bool:

@@ -18,6 +18,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests.test_grpc_harness import PROMPTS, Harness, offline_greedy, start_harness, tiny_llm_engine
+from tests.waiting import HANG_S, StepGate, wait_for
 
 MODEL = "tiny"
 MAX_TOKENS = 10
@@ -152,11 +153,15 @@ def test_cancelling_the_stream_aborts_its_requests_and_frees_their_blocks(served
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     long = {**GREEDY, "max_tokens": "400"}
-    for rid in ("c1", "c2"):
-        client.async_stream_infer(MODEL, _inputs(PROMPTS[0], True, long), request_id=rid)
-    results.get(timeout=10)
-    assert h.engine.stats().num_free_blocks < before
-    client.stop_stream(cancel_requests=True)
-    assert h.wait_until(
-        lambda: h.engine.num_in_flight == 0 and h.engine.stats().num_free_blocks == before
-    )
+    with StepGate(h.engine.engine) as gate:  # held until both are in: then one step, no more
+        for rid in ("c1", "c2"):
+            client.async_stream_infer(MODEL, _inputs(PROMPTS[0], True, long), request_id=rid)
+        wait_for(lambda: h.engine.num_in_flight == 2, "both requests in the engine")
+        gate.allow(1)
+        results.get(timeout=HANG_S)
+        wait_for(lambda: h.engine.stats().num_free_blocks < before, "the requests holding blocks")
+        client.stop_stream(cancel_requests=True)
+        wait_for(
+            lambda: h.engine.num_in_flight == 0 and h.engine.stats().num_free_blocks == before,
+            "both requests aborted and their blocks freed",
+        )

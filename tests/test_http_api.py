@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -21,12 +23,13 @@ from appliance.http.app import ENDPOINTS, build_app
 from appliance.http.openapi import build_openapi
 from engine.async_engine import AsyncEngine
 from tests.fake_engine import FakeLLMEngine
+from tests.waiting import HANG_S, StepGate, wait_for, wait_for_async
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
+    return asyncio.run(asyncio.wait_for(coro, HANG_S))
 
 
 async def _with_client(fn, server: ServerConfig | None = None, **fake_kw):
@@ -203,20 +206,22 @@ def test_api_keys_guard_v1_and_tokenizer_routes_but_not_probes():
 
 def test_queue_full_is_429_and_running_requests_finish():
     async def fn(c, fake, aeng):
+        gate = StepGate(fake, permits=1)  # "a" is admitted, then steps are held
         running = asyncio.create_task(
             c.post("/v1/completions", json={"prompt": "a", "max_tokens": 30})
         )
-        await asyncio.sleep(0.1)
+        await wait_for_async(lambda: gate.steps == 1, "the first request running")
         waiting = asyncio.create_task(
             c.post("/v1/completions", json={"prompt": "b", "max_tokens": 2})
         )
-        await asyncio.sleep(0.1)
+        await wait_for_async(lambda: fake.stats().num_waiting == 1, "the second request queued")
         r = await c.post("/v1/completions", json={"prompt": "c", "max_tokens": 2})
         err = _assert_error(r, 429, None, "queue_full")
         assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+        gate.open()
         assert (await running).status_code == 200 and (await waiting).status_code == 200
 
-    run(_with_client(fn, max_num_seqs=1, max_queue_len=1, step_delay_s=0.01))
+    run(_with_client(fn, max_num_seqs=1, max_queue_len=1))
 
 
 def test_a_failed_step_is_a_500_and_the_next_request_succeeds():
@@ -294,34 +299,50 @@ def test_disconnect_while_queued_aborts_streamed_and_non_streamed_requests():
 
     from appliance.http.server import BackgroundServer
 
-    fake = FakeLLMEngine(max_num_seqs=1, step_delay_s=0.01)
+    fake = FakeLLMEngine(max_num_seqs=1)
     aeng = AsyncEngine(fake)
+    gate = StepGate(fake, permits=1)  # the hog is admitted, then held: the others must queue
     try:
         with BackgroundServer(build_app(aeng)) as srv:
             hog = threading.Thread(
                 target=lambda: httpx.post(
-                    f"{srv.url}/v1/completions", json={"prompt": "a", "max_tokens": 100}, timeout=30
+                    f"{srv.url}/v1/completions",
+                    json={"prompt": "a", "max_tokens": 100},
+                    timeout=HANG_S,
                 )
             )
             hog.start()
-            time.sleep(0.1)
+            gate.wait_steps(1)
             body = {"prompt": "b", "max_tokens": 5, "stream": True}
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as r:
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=HANG_S) as r:
                 assert r.status_code == 200 and fake.stats().num_waiting == 1
-            _wait_for(lambda: len(fake.aborted) == 1 and fake.stats().num_waiting == 0)
-            with pytest.raises(httpx.TimeoutException):
-                httpx.post(f"{srv.url}/v1/completions", json={"prompt": "c"}, timeout=0.2)
-            _wait_for(lambda: len(fake.aborted) == 2 and fake.stats().num_waiting == 0)
-            hog.join(30)
+            wait_for(lambda: len(fake.aborted) == 1 and fake.stats().num_waiting == 0,
+                     "the streamed request aborted")  # fmt: skip
+            # A non-streamed request whose client leaves while it waits in the queue.
+            with _raw_post(srv.url, "/v1/completions", {"prompt": "c"}):
+                wait_for(lambda: fake.stats().num_waiting == 1, "the request queued")
+            wait_for(lambda: len(fake.aborted) == 2 and fake.stats().num_waiting == 0,
+                     "the non-streamed request aborted")  # fmt: skip
+            gate.open()
+            hog.join(HANG_S)
+            assert not hog.is_alive()
     finally:
         run(aeng.shutdown())
 
 
-def _wait_for(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
+@contextmanager
+def _raw_post(url: str, path: str, body: dict) -> Iterator[socket.socket]:
+    """Sends a POST on a raw socket and closes it on leaving, unanswered: a client that
+    went away."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + data)
+        yield sock
 
 
 def test_cors_is_off_unless_configured():

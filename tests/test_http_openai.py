@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,6 +17,8 @@ from appliance.http.app import build_app
 from appliance.http.server import BackgroundServer
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from engine.request_stream import RequestStream
+from tests.waiting import HANG_S, StepGate, wait_for
 
 MAX_MODEL_LEN = 128
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -56,14 +56,12 @@ def _shutdown(aeng: AsyncEngine) -> None:
     asyncio.run(aeng.shutdown())
 
 
-def _wait_idle(aeng: AsyncEngine, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _wait_idle(aeng: AsyncEngine) -> None:
+    def idle() -> bool:
         s = aeng.stats()
-        if aeng.num_in_flight == 0 and s.num_running == 0 and s.num_waiting == 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"engine not idle: {aeng.stats()}")
+        return aeng.num_in_flight == 0 and s.num_running == 0 and s.num_waiting == 0
+
+    wait_for(idle, f"engine idle ({aeng.stats()})")
 
 
 def test_models_lists_the_served_name(served):
@@ -190,16 +188,19 @@ def test_tokenize_detokenize_round_trip(served):
 def test_disconnect_mid_stream_frees_the_requests_blocks(served):
     _wait_idle(served.aeng)
     body = {"prompt": "Once upon a time", "max_tokens": 100, "stream": True, "ignore_eos": True}
-    with (
-        httpx.Client(timeout=10) as c,
-        c.stream("POST", f"{served.url}/v1/completions", json=body) as r,
-    ):
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        assert json.loads(first[6:])["choices"]
-        assert served.aeng.stats().kv_usage > 0
-    _wait_idle(served.aeng)
-    assert served.aeng.stats().kv_usage == 0
+    gate = StepGate(served.aeng.engine, permits=1)  # prefill, then held: it cannot finish
+    try:
+        with (
+            httpx.Client(timeout=HANG_S) as c,
+            c.stream("POST", f"{served.url}/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            gate.wait_steps(1)
+            wait_for(lambda: served.aeng.stats().kv_usage > 0, "the request holding blocks")
+        _wait_idle(served.aeng)  # still held: the abort alone frees the blocks
+        assert served.aeng.stats().kv_usage == 0
+    finally:
+        gate.remove()
 
 
 ENGINE_BAD_INPUT = [
@@ -238,13 +239,16 @@ def test_bad_requests_do_not_disturb_a_stream_in_flight(served):
         extra_body={"ignore_eos": True},
     )
     expected = served.client.completions.create(**kw).choices[0].text
-    stream = served.client.completions.create(**kw, stream=True)
-    got = [next(iter(stream)).choices[0].text]
-    for _, path, body, _, _ in ENGINE_BAD_INPUT[:4]:
-        assert httpx.post(f"{served.url}{path}", json=body).status_code == 400
-    with pytest.raises(openai.NotFoundError):
-        served.client.completions.create(model="nope", prompt="x")
-    got += [p.choices[0].text for p in stream if p.choices]
+    with StepGate(served.aeng.engine, permits=1) as gate:  # one step, then held
+        stream = served.client.completions.create(**kw, stream=True)
+        gate.wait_steps(1)
+        for _, path, body, _, _ in ENGINE_BAD_INPUT[:4]:
+            assert httpx.post(f"{served.url}{path}", json=body).status_code == 400
+        with pytest.raises(openai.NotFoundError):
+            served.client.completions.create(model="nope", prompt="x")
+        assert served.aeng.num_in_flight == 1  # the stream outlasted the bad requests
+        gate.open()
+        got = [p.choices[0].text for p in stream if p.choices]
     assert "".join(got) == expected
 
 
@@ -283,43 +287,52 @@ def test_api_keys_with_the_openai_client(served):
 
 def test_queue_full_is_429_with_the_real_engine(tiny_llama_dir):
     aeng = _engine(tiny_llama_dir, max_num_seqs=1, max_queue_len=1)
-    step = aeng.engine.step
-
-    def slow_step():  # the tiny model is too quick to hold a queue otherwise
-        time.sleep(0.01)
-        return step()
-
-    aeng.engine.step = slow_step
+    gate = StepGate(aeng.engine, permits=1)  # the first request runs, then steps are held
     try:
         with BackgroundServer(build_app(aeng)) as srv:
             body = {"prompt": "hi", "max_tokens": 60, "ignore_eos": True, "stream": True}
-            with httpx.Client(timeout=30) as c:
+            with httpx.Client(timeout=HANG_S) as c:
                 with c.stream("POST", f"{srv.url}/v1/completions", json=body) as running:
-                    lines = running.iter_lines()  # keep it: a dropped iterator closes the stream
-                    next(lines)
+                    assert running.status_code == 200
+                    gate.wait_steps(1)
                     with c.stream("POST", f"{srv.url}/v1/completions", json=body) as waiting:
                         assert waiting.status_code == 200
                         r = c.post(
                             f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}
                         )
                         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+            gate.open()
             _wait_idle(aeng)
             assert aeng.stats().kv_usage == 0
     finally:
         _shutdown(aeng)
 
 
-def test_stream_sends_each_finish_reason_once(served):
+def test_stream_sends_each_finish_reason_once(served, monkeypatch):
     """Choices finishing at different steps: each index gets exactly one finish_reason."""
     # Stopping on half the vocabulary at temperature 1 makes the four samples end at
-    # different steps (seeded, so the run is the same every time).
+    # different steps (seeded, so the run is the same every time). The engine steps in lock
+    # step with the server: a step runs only once the server has taken the previous step's
+    # output, so no two steps are merged into one chunk, however fast or slow either side.
+    gate = StepGate(served.aeng.engine, permits=1)
+    take = RequestStream.__anext__
+
+    async def paced(self: RequestStream):
+        out = await take(self)
+        gate.allow(1)
+        return out
+
+    monkeypatch.setattr(RequestStream, "__anext__", paced)
     stops = list(range(0, 512, 2))
-    chunks = list(
-        served.client.completions.create(
-            model="tiny", prompt="Once upon a time", max_tokens=12, n=4, temperature=1.0,
-            seed=3, stream=True, extra_body={"stop_token_ids": stops},
-        )
-    )  # fmt: skip
+    try:
+        chunks = list(
+            served.client.completions.create(
+                model="tiny", prompt="Once upon a time", max_tokens=12, n=4, temperature=1.0,
+                seed=3, stream=True, extra_body={"stop_token_ids": stops},
+            )
+        )  # fmt: skip
+    finally:
+        gate.remove()
     finishes: dict[int, list[str]] = {}
     for ch in chunks:
         for c in ch.choices:

@@ -3,8 +3,9 @@
 Every request either streams to a clean finish or is refused cleanly (HTTP 429 with an
 OpenAI `queue_full` error, gRPC RESOURCE_EXHAUSTED), none hangs, and afterwards every KV
 block is back in the pool and the running / waiting / in-flight gauges on /metrics read 0.
-The tiny model, a few tokens per request and a slightly slowed step keep it to a few tens
-of seconds on two cores while the queue still overflows.
+The engine's steps are held until the queue has overflowed once (the tiny model would
+otherwise drain it as fast as a fast box fills it), then run freely for the rest of the
+storm; a few tokens per request keep it to seconds on two cores.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
-from tests.served_stack import Stack, served, slow_steps, tiny_engine, wait_idle_and_free
+from tests.served_stack import Stack, served, tiny_engine, wait_idle_and_free
+from tests.waiting import HANG_S, StepGate
 
 NUM_REQUESTS = 500
 MAX_QUEUE_LEN = 32
@@ -33,12 +35,11 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "What is the capital of Fr
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
     llm = tiny_engine(tiny_llama_dir, max_num_seqs=32, max_queue_len=MAX_QUEUE_LEN)
-    slow_steps(llm, 0.005)  # the tiny model would otherwise drain the queue as it fills
     with served(llm) as s:
         yield s
 
 
-async def _http_stream(c: httpx.AsyncClient, i: int, rng: random.Random) -> str:
+async def _http_stream(c: httpx.AsyncClient, i: int, rng: random.Random, gate: StepGate) -> str:
     max_tokens = rng.randint(2, 8)
     if i % 2:
         path = "/v1/chat/completions"
@@ -49,6 +50,7 @@ async def _http_stream(c: httpx.AsyncClient, i: int, rng: random.Random) -> str:
     async with c.stream("POST", path, json=body) as r:
         raw = (await r.aread()).decode()
     if r.status_code == 429:
+        gate.open()
         err = json.loads(raw)["error"]
         assert err["code"] == "queue_full" and r.headers["retry-after"], raw
         return "refused"
@@ -62,14 +64,15 @@ async def _http_stream(c: httpx.AsyncClient, i: int, rng: random.Random) -> str:
     return "ok"
 
 
-async def _grpc_stream(stub: pb_grpc.ApplianceStub, rng: random.Random) -> str:
+async def _grpc_stream(stub: pb_grpc.ApplianceStub, rng: random.Random, gate: StepGate) -> str:
     max_tokens = rng.randint(2, 8)
     req = pb.GenerateRequest(
         text=rng.choice(PROMPTS), sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     )
     try:
-        responses = [r async for r in stub.Generate(req, timeout=60)]
+        responses = [r async for r in stub.Generate(req)]
     except grpc.aio.AioRpcError as e:
+        gate.open()
         assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (e.code(), e.details())
         assert "queue is full" in (e.details() or "")
         return "refused"
@@ -79,7 +82,7 @@ async def _grpc_stream(stub: pb_grpc.ApplianceStub, rng: random.Random) -> str:
 
 
 def _gauges(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{url}/metrics", timeout=HANG_S).text
     return {
         s.name: s.value
         for fam in text_string_to_metric_families(text)
@@ -90,23 +93,29 @@ def _gauges(url: str) -> dict[str, float]:
 
 def test_500_concurrent_streams_finish_or_are_refused_and_leave_nothing_behind(stack) -> None:
     rng = random.Random(0)
+    # Held until the first refusal: until then every accepted request waits, so the queue
+    # surely overflows, and the MAX_QUEUE_LEN requests it holds surely finish.
+    gate = StepGate(stack.aeng.engine)
 
     async def main() -> Counter:
         limits = httpx.Limits(max_connections=NUM_REQUESTS)
         async with (
-            httpx.AsyncClient(base_url=stack.url, timeout=60, limits=limits) as c,
+            httpx.AsyncClient(base_url=stack.url, timeout=HANG_S, limits=limits) as c,
             grpc.aio.insecure_channel(stack.grpc_address) as ch,
         ):
             stub = pb_grpc.ApplianceStub(ch)
             calls = [
-                _http_stream(c, i, random.Random(rng.random())) if i % 2 else
-                _grpc_stream(stub, random.Random(rng.random()))
+                _http_stream(c, i, random.Random(rng.random()), gate) if i % 2 else
+                _grpc_stream(stub, random.Random(rng.random()), gate)
                 for i in range(NUM_REQUESTS)
             ]  # fmt: skip
-            results = await asyncio.wait_for(asyncio.gather(*calls), 120)  # none hangs
+            results = await asyncio.wait_for(asyncio.gather(*calls), HANG_S)  # none hangs
         return Counter(results)
 
-    outcomes = stack.run(main(), timeout=150)
+    try:
+        outcomes = stack.run(main(), timeout=HANG_S + 30)
+    finally:
+        gate.remove()
     print(f"load: {NUM_REQUESTS} sent, outcomes {dict(outcomes)}")  # docs/reliability.md
     assert sum(outcomes.values()) == NUM_REQUESTS
     assert set(outcomes) == {"ok", "refused"}, outcomes  # both happened, nothing else did

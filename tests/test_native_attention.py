@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine.kernels import attention as native
+from tests.waiting import HANG_S
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
@@ -142,7 +143,7 @@ def test_off_switch_falls_back_to_torch_with_the_same_answer(tmp_path):
     )
     env = dict(os.environ, APPLIANCE_CPU_KERNELS="off", APPLIANCE_KERNEL_CACHE=str(tmp_path / "k"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=HANG_S)
     assert not (tmp_path / "k").exists()
 
     from engine.attention.base import AttentionLayerSpec
@@ -162,6 +163,6 @@ def test_kernel_builds_into_its_cache_dir(tmp_path):
     env = dict(os.environ, APPLIANCE_KERNEL_CACHE=str(tmp_path))
     code = "import torch\nfrom engine.kernels import attention as native\nassert native.library() is not None\n"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=HANG_S)
     built = list(tmp_path.glob("appliance_kernels-*.so"))
     assert len(built) == 1

@@ -9,7 +9,6 @@ user is pinned by test_containerfile.py.)
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -33,6 +32,7 @@ from appliance.http.middleware import AuthMiddleware
 from appliance.http.openapi import ROUTES
 from tests.served_stack import Stack, served, tiny_engine
 from tests.test_bad_input_grpc import _kserve, _sp
+from tests.waiting import HANG_S, wait_for
 
 KEYS = ("sk-first-key", "sk-second-key")
 GOOD = {"Authorization": f"Bearer {KEYS[1]}"}
@@ -73,7 +73,7 @@ def test_every_documented_route_is_guarded_exactly_as_documented(stack, route) -
     basic = httpx.request(
         route.method, f"{url}{path}", headers={"Authorization": f"Basic {KEYS[0]}"}, **kw
     )
-    good = httpx.request(route.method, f"{url}{path}", headers=GOOD, timeout=30, **kw)
+    good = httpx.request(route.method, f"{url}{path}", headers=GOOD, timeout=HANG_S, **kw)
     if route.auth:
         for r in (no_key, wrong, basic):
             assert r.status_code == 401, (path, r.status_code)
@@ -112,11 +112,11 @@ async def _call(ch: grpc.aio.Channel, path: str, method: Any, metadata: Any) -> 
           "response_deserializer": message_factory.GetMessageClass(method.output_type).FromString}  # fmt: skip
     try:
         if method.client_streaming:
-            call = ch.stream_stream(path, **kw)(iter([]), metadata=metadata, timeout=10)
+            call = ch.stream_stream(path, **kw)(iter([]), metadata=metadata, timeout=HANG_S)
         elif method.server_streaming:
-            call = ch.unary_stream(path, **kw)(request, metadata=metadata, timeout=10)
+            call = ch.unary_stream(path, **kw)(request, metadata=metadata, timeout=HANG_S)
         else:
-            await ch.unary_unary(path, **kw)(request, metadata=metadata, timeout=10)
+            await ch.unary_unary(path, **kw)(request, metadata=metadata, timeout=HANG_S)
             return grpc.StatusCode.OK
         async for _ in call:
             pass
@@ -217,10 +217,17 @@ def _every_record_text(records: list[logging.LogRecord]) -> str:
     return "\n".join(parts)
 
 
+def _count(records: list[logging.LogRecord], msg: str) -> int:
+    return sum(r.getMessage() == msg for r in list(records))
+
+
+HTTP_REQUESTS_IN_TRAFFIC = 6
+
+
 def _traffic(s: Stack, headers: dict[str, str]) -> list[str]:
     """Every kind of request, each carrying SECRET; returns the texts the server generated."""
     outputs = []
-    with httpx.Client(base_url=s.url, headers=headers, timeout=30) as c:
+    with httpx.Client(base_url=s.url, headers=headers, timeout=HANG_S) as c:
         r = c.post("/v1/completions", json={"prompt": SECRET, "max_tokens": 12, "ignore_eos": True})
         outputs.append(r.json()["choices"][0]["text"])
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": SECRET}],
@@ -260,7 +267,10 @@ def _traffic(s: Stack, headers: dict[str, str]) -> list[str]:
 def test_prompts_and_outputs_stay_out_of_the_logs_by_default(stack, caplog) -> None:
     with caplog.at_level(logging.DEBUG):
         outputs = _traffic(stack, GOOD)
-        asyncio.run(asyncio.sleep(0.2))  # let the server threads finish logging
+        # The access line of each HTTP request is written once its response is done, which
+        # may be after the client has read it: wait for all of them, not for a while.
+        wait_for(lambda: _count(caplog.records, "http request") >= HTTP_REQUESTS_IN_TRAFFIC,
+                 "every HTTP request logged")  # fmt: skip
     text = _every_record_text(caplog.records)
     assert "completion done" in text  # the lines exist; they just carry no content
     assert SECRET not in text

@@ -19,6 +19,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
 from tests.served_stack import spawn_serve, tiny_serve_sets
+from tests.waiting import HANG_S
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -79,7 +80,7 @@ def test_serve_answers_http_and_grpc_at_once_and_traces_both(tiny_llama_dir):
             f"{url}/v1/chat/completions",
             json=body,
             headers={"traceparent": TRACEPARENT},
-            timeout=60,
+            timeout=HANG_S,
         )
         assert r.status_code == 200, r.text
         http_usage = r.json()["usage"]
@@ -97,7 +98,7 @@ def test_serve_answers_http_and_grpc_at_once_and_traces_both(tiny_llama_dir):
         responses = asyncio.run(grpc_call())
         assert responses[-1].usage.completion_tokens == 3
         sp.proc.send_signal(signal.SIGTERM)
-        assert sp.proc.wait(60) == 0  # exit flushes the span exporter
+        assert sp.proc.wait(HANG_S) == 0  # exit flushes the span exporter
     finally:
         sp.kill()
         receiver.shutdown()

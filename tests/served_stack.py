@@ -135,6 +135,20 @@ def wait_idle_and_free(aeng: AsyncEngine) -> None:
     wait_for(lambda: leaked_blocks(aeng) == 0, f"all KV blocks free ({aeng.stats()})")
 
 
+def gauges(url: str) -> dict[str, float]:
+    """The unlabelled samples of a server's /metrics (gauges and totals), by sample name."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=HANG_S).text
+    return {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if not s.labels
+    }
+
+
 def live_threads() -> set[str]:
     return {f"{t.name}#{t.ident}" for t in threading.enumerate()}
 

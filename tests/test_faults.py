@@ -40,6 +40,7 @@ from engine.sampling_params import SamplingParams
 from tests.fake_engine import FakeLLMEngine
 from tests.served_stack import (
     Stack,
+    gauges,
     served,
     spawn_serve,
     tiny_engine,
@@ -337,9 +338,9 @@ def _sigterm_mid_stream(sp: Any, gate: _FileGate) -> int | None:
     """Once both streams are in the engine, lets one step run (both are then mid-stream,
     holding KV blocks), sends SIGTERM, waits for the drain to begin and returns the status
     of a request sent after it (refused: None or 503)."""
-    wait_for(lambda: _metric(sp.url, "appliance_requests_in_flight") == 2, "two streams in")
+    wait_for(lambda: gauges(sp.url)["appliance_requests_in_flight"] == 2, "two streams in")
     gate.set(1)
-    wait_for(lambda: _metric(sp.url, "appliance_requests_running") == 2, "both running")
+    wait_for(lambda: gauges(sp.url)["appliance_requests_running"] == 2, "both running")
     sp.proc.send_signal(signal.SIGTERM)
     # "Once draining began": the signal is handled on the server's loop, so wait for it.
     wait_for(lambda: bool(sp.logged("shutdown requested")), "the drain to begin")
@@ -387,15 +388,3 @@ def test_sigterm_cuts_what_outlives_the_grace_and_exits_0(tiny_llama_dir, tmp_pa
     assert code == 0, sp.records[-5:]
     assert "data: [DONE]" not in results["http"], results["http"][-200:]
     assert isinstance(results["grpc"], grpc.StatusCode), results["grpc"]
-
-
-def _metric(url: str, name: str) -> float:
-    """An unlabelled sample from /metrics (-1 if the server does not answer)."""
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=HANG_S).text
-    except httpx.HTTPError:
-        return -1
-    for line in text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    return -1

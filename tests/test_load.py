@@ -20,11 +20,10 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
-from tests.served_stack import Stack, served, tiny_engine, wait_idle_and_free
+from tests.served_stack import Stack, gauges, served, tiny_engine, wait_idle_and_free
 from tests.waiting import HANG_S, StepGate
 
 NUM_REQUESTS = 500
@@ -81,16 +80,6 @@ async def _grpc_stream(stub: pb_grpc.ApplianceStub, rng: random.Random, gate: St
     return "ok"
 
 
-def _gauges(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=HANG_S).text
-    return {
-        s.name: s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if not s.labels
-    }
-
-
 def test_500_concurrent_streams_finish_or_are_refused_and_leave_nothing_behind(stack) -> None:
     rng = random.Random(0)
     # Held until the first refusal: until then every accepted request waits, so the queue
@@ -121,7 +110,7 @@ def test_500_concurrent_streams_finish_or_are_refused_and_leave_nothing_behind(s
     assert set(outcomes) == {"ok", "refused"}, outcomes  # both happened, nothing else did
     assert outcomes["ok"] >= MAX_QUEUE_LEN, outcomes
     wait_idle_and_free(stack.aeng)
-    g = _gauges(stack.url)
+    g = gauges(stack.url)
     assert g["appliance_requests_running"] == g["appliance_requests_waiting"] == 0, g
     assert g["appliance_requests_in_flight"] == 0, g
     assert g["appliance_kv_cache_free_blocks"] == g["appliance_kv_cache_blocks"], g

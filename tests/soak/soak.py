@@ -40,14 +40,13 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 import httpx  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from appliance.grpc.kserve_tensors import encode_bytes  # noqa: E402
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb  # noqa: E402
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc  # noqa: E402
 from appliance.grpc.proto.inference import grpc_service_pb2 as kpb  # noqa: E402
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc  # noqa: E402
-from tests.served_stack import ServeProcess, spawn_serve, tiny_serve_sets  # noqa: E402
+from tests.served_stack import ServeProcess, gauges, spawn_serve, tiny_serve_sets  # noqa: E402
 
 PROMPTS = [
     "The quick brown fox",
@@ -201,16 +200,6 @@ def rss_mib(pid: int) -> float:
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def gauges(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if not s.labels:
-                out[s.name] = s.value
-    return out
 
 
 def slope_per_min(samples: list[tuple[float, float]]) -> float:

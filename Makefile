@@ -46,7 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/serving.py
 	$(BIN)/python bench/plot.py --update-docs
 
-# Regenerates the committed gRPC stubs (tests/test_grpc_proto.py checks they are in sync).
+# Regenerates the committed gRPC stubs (tests/serving/test_grpc_proto.py checks they are in sync).
 proto: $(STAMP)
 	$(BIN)/python -m appliance.grpc.build_proto
 

@@ -1,7 +1,7 @@
 """OpenTelemetry tracing: provider and OTLP export from settings, one span per request.
 
 The engine knows nothing of OpenTelemetry; it stamps each request with `time.monotonic()`
-times (`engine.outputs.RequestMetrics`). After a request ends, a frontend calls
+times (`engine.output.request_output.RequestMetrics`). After a request ends, a frontend calls
 `record_request_span`, which builds the request's span after the fact from those times,
 converted to epoch nanoseconds with one offset captured when tracing is set up, so the span
 shows the engine's own view: arrival -> scheduled -> first token -> (preempted ...) ->
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.outputs import RequestOutput
+from engine.output.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention.base import AttentionLayerSpec, AttentionMetadata, ForwardContext  # noqa: E402
+from engine.worker.attention.base import AttentionLayerSpec, AttentionMetadata, ForwardContext  # noqa: E402
 
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -65,7 +65,7 @@ def make_checkpoint(out: Path, dims: dict, dev: torch.device) -> Path:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from tests.tiny_models import make_tokenizer
+    from tests.support.tiny_models import make_tokenizer
 
     if (out / "config.json").exists():
         return out
@@ -153,8 +153,8 @@ def _decode_rate(model, backend, caches, gr, dev, batch: int, per_seq: int, step
 def bench_decode(model_dir: Path, dev: torch.device, batches: list[int], steps: int, res: dict,
                  save, deadline: float) -> None:  # fmt: skip
     from engine.config import ModelConfig
-    from engine.models.loader import load_model
-    from engine.runner import select_attention_backend
+    from engine.worker.models.loader import load_model
+    from engine.worker.runner import select_attention_backend
     from graphs.buckets import capture_sizes
     from graphs.cuda_graphs import GraphRunner
 
@@ -252,8 +252,8 @@ def bench_hf(model_dir: Path, dev: torch.device, batches: list[int], new_tokens:
 # ---- FlashInfer JIT warm-up -----------------------------------------------------------------
 def warm_jit(kind: str) -> None:
     """Build one FlashInfer kernel family ahead of the tests (a JIT compile takes minutes)."""
-    from engine.attention.flashinfer import FlashInferBackend
-    from tests.paged_harness import build_metadata
+    from engine.worker.attention.flashinfer import FlashInferBackend
+    from tests.support.paged_harness import build_metadata
 
     dev = torch.device("cuda")
     prefill, window = kind.startswith("prefill"), kind.endswith("window")

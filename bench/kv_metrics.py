@@ -91,7 +91,7 @@ class KVSampler:
 
 
 def fake_step(sched: Any, sampler: KVSampler | None, token: int = 7) -> None:
-    from engine.step_io import RunnerOutput
+    from engine.core.step_io import RunnerOutput
 
     so = sched.schedule()
     if sampler is not None:
@@ -107,8 +107,8 @@ def fake_step(sched: Any, sampler: KVSampler | None, token: int = 7) -> None:
 def make_sched(num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
                max_model_len: int, prefix_caching: bool = True):  # fmt: skip
     from engine.config import SchedulerConfig
-    from engine.kv_cache.manager import KVCacheManager
-    from engine.scheduler import Scheduler
+    from engine.core.kv_cache.manager import KVCacheManager
+    from engine.core.scheduler import Scheduler
 
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
     cfg = SchedulerConfig(
@@ -118,7 +118,7 @@ def make_sched(num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
 
 
 def add_requests(sched: Any, prompts: list[list[int]], outs: list[int], prefix: str) -> None:
-    from engine.request import Request
+    from engine.core.request import Request
     from engine.sampling_params import SamplingParams
 
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):

@@ -35,11 +35,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine.config import SchedulerConfig  # noqa: E402
-from engine.kv_cache.manager import KVCacheManager  # noqa: E402
-from engine.request import Request  # noqa: E402
+from engine.core.kv_cache.manager import KVCacheManager  # noqa: E402
+from engine.core.request import Request  # noqa: E402
+from engine.core.scheduler import Scheduler  # noqa: E402
+from engine.core.step_io import RunnerOutput, SchedulerOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.step_io import RunnerOutput, SchedulerOutput  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192

@@ -193,7 +193,7 @@ def main() -> None:
     args = ap.parse_args()
     sets = list(args.sets)
     if args.tiny:
-        from tests.tiny_models import make_tiny_checkpoint
+        from tests.support.tiny_models import make_tiny_checkpoint
 
         tiny = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "llama")
         sets = [f"model.path={tiny}", "runtime.device=cpu", *sets]

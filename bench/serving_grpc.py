@@ -105,7 +105,7 @@ def _serve(model_dir: str, port_file: str) -> None:
 
 
 def _start_tiny() -> tuple[subprocess.Popen, str]:
-    from tests.tiny_models import make_tiny_checkpoint
+    from tests.support.tiny_models import make_tiny_checkpoint
 
     tmp = Path(tempfile.mkdtemp())
     tiny = make_tiny_checkpoint(tmp / "tiny", "llama")

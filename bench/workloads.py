@@ -13,7 +13,7 @@ exactly the same tokens:
 
 Models (built once into ~/.cache/appliance-bench/models, or APPLIANCE_BENCH_CACHE):
 
-- `tiny`: tests/tiny_models.py's 2-layer, 64-wide Llama with its 512-token tokenizer; only
+- `tiny`: tests/support/tiny_models.py's 2-layer, 64-wide Llama with its 512-token tokenizer; only
   for `--quick` smoke runs.
 - `llama50m`: a ~50M-param Llama with random weights: hidden 512, 8 layers, intermediate
   1536, 8 heads / 4 KV heads (head_dim 64), tied embeddings, SmolLM2's 49,152-token
@@ -22,7 +22,7 @@ Models (built once into ~/.cache/appliance-bench/models, or APPLIANCE_BENCH_CACH
   its 512-token test tokenizer and cannot take a larger one; a real tokenizer that covers
   the vocabulary keeps detokenization honest in every engine.
 - `smollm2`: the default model (SmolLM2-135M-Instruct), the converted fp32 HF dir from
-  `engine.models.loader.resolve_model_path(None)`.
+  `engine.worker.models.loader.resolve_model_path(None)`.
 
     python bench/workloads.py --build llama50m     # build/print a model dir
     python bench/workloads.py --show w64           # print a workload summary
@@ -165,13 +165,13 @@ MODEL_NAMES = ("tiny", "llama50m", "smollm2")
 
 
 def smollm2_dir() -> Path:
-    from engine.models.loader import resolve_model_path
+    from engine.worker.models.loader import resolve_model_path
 
     return Path(resolve_model_path(None))
 
 
 def _build_tiny(out: Path) -> None:
-    from tests.tiny_models import make_tiny_checkpoint
+    from tests.support.tiny_models import make_tiny_checkpoint
 
     make_tiny_checkpoint(out, "llama")
 

@@ -49,7 +49,7 @@ from engine.errors import (
     QueueFullError,
     RequestFailedError,
 )
-from engine.outputs import RequestOutput
+from engine.output.request_output import RequestOutput
 from engine.request_stream import (  # FinishedRequest and RequestStream are re-exported
     FinishedRequest,
     RequestStream,

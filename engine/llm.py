@@ -17,7 +17,7 @@ from tqdm import tqdm
 from engine.beam_search import BeamSearchOutput, run_beam_search
 from engine.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.output.request_output import RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
 # LLM(...) keyword -> (config section, field name)

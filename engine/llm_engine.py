@@ -17,18 +17,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.config import ConfigError, EngineConfig
+from engine.core.kv_cache.manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.step_io import SchedulerOutput
 from engine.errors import InvalidRequestError
-from engine.kv_cache.manager import KVCacheManager
-from engine.kv_sizing import KVGeometry, num_blocks_for_cpu, size_gpu_kv_cache
-from engine.models.loader import load_model
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner
+from engine.output.processor import OutputProcessor
+from engine.output.request_output import RequestOutput
+from engine.output.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.scheduler import Scheduler
-from engine.step_io import SchedulerOutput
-from engine.tokenizer import Tokenizer
+from engine.worker.kv_sizing import KVGeometry, num_blocks_for_cpu, size_gpu_kv_cache
+from engine.worker.models.loader import load_model
+from engine.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

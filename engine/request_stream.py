@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.output.request_output import RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine

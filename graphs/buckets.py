@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionMetadata
 from engine.config import default_capture_sizes
+from engine.worker.attention.base import AttentionMetadata
 
 PAD_TOKEN_ID = 0
 PAD_POSITION = 0

@@ -4,7 +4,7 @@
 else a `CompiledModel` whose forward is compiled with dynamic shapes, so one set of compiled
 graphs serves every token count. Dynamo specialises sizes 0 and 1, so a step of exactly one
 token compiles once more; after one multi-token step and one single-token step nothing
-recompiles (tests/test_compile.py counts). Weights keep static shapes.
+recompiles (tests/graphs/test_compile.py counts). Weights keep static shapes.
 
 Attention stays outside the compiled region: the backend seen by the compiled code is an
 `EagerAttention` proxy whose `forward` is `torch.compiler.disable`d. Dynamo breaks the graph
@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention.base import (
+from engine.config import RuntimeConfig
+from engine.worker.attention.base import (
     AttentionBackend,
     AttentionLayerSpec,
     AttentionMetadata,
     ForwardContext,
 )
-from engine.config import RuntimeConfig
 
 logger = logging.getLogger(__name__)
 

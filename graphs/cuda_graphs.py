@@ -27,15 +27,15 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from engine.config import RuntimeConfig
+from engine.worker.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from graphs.buckets import StaticDecodeInputs, capture_sizes, pick_bucket
 
 logger = logging.getLogger(__name__)
 
 
 class StepLike(Protocol):
-    """What GraphRunner needs of a step (engine.input_batch.StepInputs has it)."""
+    """What GraphRunner needs of a step (engine.worker.input_batch.StepInputs has it)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64

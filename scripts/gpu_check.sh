@@ -8,7 +8,7 @@
 #       keeps part a in /tmp and starts writing the random Llama-3-8B checkpoint (setsid)
 #   device call 2, within 30 s:  run(command="bash scripts/gpu_check.sh all",
 #                                    carry=[".whl/b"], timeout_s=600)
-#       joins and installs the wheels, builds FlashInfer's kernels, runs tests/test_gpu.py,
+#       joins and installs the wheels, builds FlashInfer's kernels, runs tests/worker/test_gpu.py,
 #       then bench/gpu_decode.py until its deadline; JSON and logs under $OUT
 #   optional call 3, within 30 s:  run(command="bash scripts/gpu_check.sh bench", timeout_s=420)
 #       resumes the benchmark where call 2's deadline stopped it
@@ -136,8 +136,8 @@ wait_checkpoint() {
 run_tests() {
     local limit=$((BUDGET - SECONDS - 240))
     [ "$limit" -gt 60 ] || limit=60
-    log "tests/test_gpu.py (limit ${limit}s)"
-    timeout "$limit" "$PY" -m pytest tests/test_gpu.py -rs -p no:cacheprovider -m "not slow" \
+    log "tests/worker/test_gpu.py (limit ${limit}s)"
+    timeout "$limit" "$PY" -m pytest tests/worker/test_gpu.py -rs -p no:cacheprovider -m "not slow" \
         >"$OUT/tests.log" 2>&1
     log "tests exit $?: $(grep -E "passed|failed|skipped|error" "$OUT/tests.log" | tail -1)"
 }

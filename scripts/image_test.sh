@@ -148,8 +148,8 @@ else
 fi
 
 if out=$(run_in python -c '
-from engine.models.default_model import default_model_gguf
-from engine.models.gguf_loader import converted_dir_for, is_converted
+from engine.worker.models.default_model import default_model_gguf
+from engine.worker.models.gguf_loader import converted_dir_for, is_converted
 d = converted_dir_for(default_model_gguf())
 print(d)
 raise SystemExit(0 if is_converted(d) else 1)' 2>&1); then

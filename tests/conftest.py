@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from tests.tiny_models import hf_greedy as _hf_greedy
-from tests.tiny_models import make_tiny_checkpoint
+from tests.support.tiny_models import hf_greedy as _hf_greedy
+from tests.support.tiny_models import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: `tiny_checkpoint(arch="llama", **overrides) -> Path`, cached per session.
 
-    Overrides are those of `tests.tiny_models.make_tiny_checkpoint` (tie_word_embeddings,
+    Overrides are those of `tests.support.tiny_models.make_tiny_checkpoint` (tie_word_embeddings,
     sliding_window, rope_scaling, max_shard_size, seed, any config field).
     """
     root = tmp_path_factory.mktemp("tiny_ckpts")

@@ -1,7 +1,7 @@
 """Regenerates the committed Python stubs from the .proto files (`make proto`).
 
 The stubs are committed so that installing and running the appliance needs no code
-generation step; `tests/test_grpc_proto.py` regenerates them into a temporary directory
+generation step; `tests/serving/test_grpc_proto.py` regenerates them into a temporary directory
 and fails if they differ from the committed ones, so a .proto edit without `make proto`
 cannot land. Generation is pinned to the grpcio-tools version in pyproject.toml because its
 output embeds the protobuf and grpc versions it was made with.

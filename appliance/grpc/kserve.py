@@ -27,7 +27,7 @@ from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from appliance.grpc.streaming import DeltaTracker, Generation
 from appliance.telemetry import Tracing, record_request_span
-from engine.outputs import RequestOutput
+from engine.output.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.core.step_io import TokenLogprobs
+from engine.output.request_output import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.step_io import TokenLogprobs
 
 
 class Generation:

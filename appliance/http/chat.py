@@ -39,7 +39,7 @@ from appliance.http.serving import (
     submit,
     whole_body,
 )
-from engine.outputs import RequestOutput
+from engine.output.request_output import RequestOutput
 from engine.request_stream import RequestStream
 
 # chat_template_kwargs the server sets itself, or that would change what rendering returns.

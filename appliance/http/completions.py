@@ -33,7 +33,7 @@ from appliance.http.serving import (
     submit,
     whole_body,
 )
-from engine.outputs import RequestOutput
+from engine.output.request_output import RequestOutput
 from engine.request_stream import RequestStream
 
 

@@ -18,9 +18,9 @@ from appliance.http.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from engine.outputs import RequestOutput
+from engine.core.step_io import TokenLogprobs
+from engine.output.request_output import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.step_io import TokenLogprobs
 
 # JSON has no -inf; OpenAI clients expect a number.
 _MIN_LOGPROB = -9999.0

@@ -35,10 +35,10 @@ from appliance.http.protocol import (
 from appliance.http.tracing_hook import HttpRequestTracer
 from appliance.metrics import ApplianceMetrics
 from engine.async_engine import AsyncEngine
-from engine.outputs import RequestOutput
+from engine.core.step_io import TokenLogprobs
+from engine.output.request_output import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
-from engine.step_io import TokenLogprobs
 
 logger = logging.getLogger("appliance.http")
 

@@ -46,7 +46,7 @@ from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb  # noqa: E402
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc  # noqa: E402
 from appliance.grpc.proto.inference import grpc_service_pb2 as kpb  # noqa: E402
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc  # noqa: E402
-from tests.served_stack import ServeProcess, gauges, spawn_serve, tiny_serve_sets  # noqa: E402
+from tests.support.served_stack import ServeProcess, gauges, spawn_serve, tiny_serve_sets  # noqa: E402
 
 PROMPTS = [
     "The quick brown fox",
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from tests.tiny_models import make_tiny_checkpoint
+            from tests.support.tiny_models import make_tiny_checkpoint
 
             model = make_tiny_checkpoint(Path(tmp) / "tiny", "llama")
         sets = tiny_serve_sets(

@@ -1,0 +1,451 @@
+"""Continuous-batching scheduler: one token budget per step, no prefill/decode phases.
+
+Pure Python, no torch. Each request only has tokens computed (K/V in the cache) and tokens
+known (prompt + output); every step hands out at most `max_num_batched_tokens` of the
+difference to at most `max_num_seqs` requests:
+
+1. Running requests first, in running (admission) order: decodes and continuing prefill
+   chunks. When the KV pool can't cover one, a victim is preempted (FCFS: the newest running
+   request; priority: the largest priority value, latest arrival), its blocks freed and its
+   progress reset, and the allocation retried. A victim already scheduled earlier in this
+   step (possible only under the priority policy) is un-scheduled: its tokens go back to the
+   budget and it leaves this step's output.
+2. Then waiting requests in policy order, unless something was preempted this step (no new
+   admissions under memory pressure). A prompt longer than the budget left is chunked and
+   continues next step. The first allocation failure stops admission for this step; we do
+   not preempt running requests to admit waiting ones, under either policy (a high-priority
+   arrival waits for memory like any other).
+
+`num_computed_tokens` is advanced when `schedule()` returns (as in vLLM v1): the runner will
+compute the scheduled tokens, so the next step may already schedule the token sampled from
+them. During `schedule()` every `num_computed_tokens` keeps its start-of-step value, which
+is what the fork rule below needs. Should a request finish before its step's results come
+back (a failed step, an abort in between), the advance is rolled back before its blocks are
+freed, so the KV manager never keeps blocks whose K/V may be unwritten as cached prefix.
+
+`n > 1`: a sample with `fork_from` shares the leader's prompt blocks once the leader has
+computed all but the last prompt token (as of the start of this step, since copy-on-write
+copies run before the forward and can't copy K/V that is written in it), then computes only
+that last token, copying the shared partial block first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.core.admission import RequestRejectedError, check_request_fits
+from engine.core.kv_cache.manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import make_queue
+from engine.core.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.core.stop import check_stop
+from engine.errors import InvalidRequestError, QueueFullError
+
+__all__ = ["QueueFullError", "RequestRejectedError", "Scheduler"]
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one `schedule()` call has handed out so far (a per-step context, not state)."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    # Running requests scheduled this step, in order, and the blocks each got appended.
+    running: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests admitted from the waiting queue, with their computed tokens before this step.
+    admitted: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    """Decides which requests run each step and for how many tokens; owns request state.
+
+    `running` holds requests with blocks, in admission order; `waiting` holds new and
+    preempted requests in policy order. Every unfinished request is in `requests`.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int):
+        if max_model_len < 2:
+            raise ValueError("max_model_len: must be >= 2 (one prompt and one output token)")
+        self.config = config
+        self.kv_manager = kv_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.waiting = make_queue(config.policy)
+        self.num_preemptions = 0
+        self._priority = config.policy == "priority"
+        # Ids the runner holds state for that finished or were aborted since the last step.
+        self._left_batch: set[str] = set()
+        # The last schedule's token counts until its results come back: a request finished
+        # in between (failed step, abort) has its K/V possibly unwritten, see `_finish`.
+        self._in_flight: dict[str, int] = {}
+
+    # ---- queries ---------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # ---- admission -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queues a request; raises if it is a duplicate, can never run, or the queue is full.
+
+        Sets `request.max_tokens` to the context left when it is None.
+        """
+        if request.request_id in self.requests:
+            raise InvalidRequestError(
+                f"request_id: duplicate request id {request.request_id!r}", "request_id"
+            )
+        kv = self.kv_manager
+        check_request_fits(request, self.max_model_len, kv.block_size, kv.num_blocks)
+        if len(self.waiting) >= self.config.max_queue_len:
+            raise QueueFullError(
+                f"waiting queue is full ({self.config.max_queue_len} requests); retry later"
+            )
+        request.status = _WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's requests and token counts; see the module docstring."""
+        now = time.monotonic()
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step, now)
+        if not step.preempted:
+            self._schedule_waiting(step, now)
+        return self._build_output(step)
+
+    def _schedule_running(self, step: _Step, now: float) -> None:
+        """The decode hot path: one allocation per running request, no sorting, no copies."""
+        running = self.running
+        allocate = self.kv_manager.allocate_slots
+        max_len = self.max_model_len
+        num_scheduled, new_block_ids, scheduled = (
+            step.num_scheduled,
+            step.new_block_ids,
+            step.running,
+        )
+        budget = step.budget
+        i = 0
+        while budget > 0 and i < len(running):
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = len(req.all_token_ids) - computed
+            if n > budget:
+                n = budget
+            if computed + n > max_len:
+                n = max_len - computed
+            if n <= 0:  # nothing to compute until the runner answers for it
+                i += 1
+                continue
+            blocks = allocate(req, n)
+            if blocks is None:
+                step.budget = budget
+                blocks, i = self._preempt_until_fits(req, i, n, step, now)
+                budget = step.budget
+                if blocks is None:  # it was the victim itself; `i` is already the next one
+                    continue
+            rid = req.request_id
+            num_scheduled[rid] = n
+            new_block_ids[rid] = blocks
+            scheduled.append(req)
+            budget -= n
+            i += 1
+        step.budget = budget
+
+    def _preempt_until_fits(
+        self, req: Request, i: int, n: int, step: _Step, now: float
+    ) -> tuple[list[int] | None, int]:
+        """Preempts victims until `req` (at `running[i]`) gets its `n` tokens' slots.
+
+        Returns the new blocks (None if `req` itself was preempted) and `req`'s index after
+        the removals. FCFS victims come from the tail, i.e. not yet scheduled this step;
+        a priority victim may have been, and `_preempt` un-schedules it.
+        """
+        while True:
+            v = self._pick_victim()
+            victim = self.running[v]
+            self._preempt(v, step, now)
+            if victim is req:
+                return None, i
+            if v < i:
+                i -= 1
+            blocks = self.kv_manager.allocate_slots(req, n)
+            if blocks is not None:
+                return blocks, i
+
+    def _pick_victim(self) -> int:
+        """Index in `running` of the request to preempt."""
+        running = self.running
+        if not self._priority:
+            return len(running) - 1
+        best = 0
+        best_key = (running[0].priority, running[0].times.arrival)
+        for j in range(1, len(running)):
+            r = running[j]
+            key = (r.priority, r.times.arrival)
+            if key >= best_key:  # ties: the later one in running order
+                best, best_key = j, key
+        return best
+
+    def _preempt(self, index: int, step: _Step, now: float) -> None:
+        """Frees `running[index]`'s blocks, resets its progress and queues it again."""
+        victim = self.running.pop(index)
+        rid = victim.request_id
+        n = step.num_scheduled.pop(rid, None)
+        if n is not None:  # scheduled earlier in this step: take it back out
+            step.budget += n
+            del step.new_block_ids[rid]
+            step.running.remove(victim)
+        self.kv_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        victim.times.preempted.append(now)
+        self.num_preemptions += 1
+        step.preempted.add(rid)
+        self.waiting.requeue_preempted(victim)
+
+    def _schedule_waiting(self, step: _Step, now: float) -> None:
+        """Admits waiting requests in policy order until budget, seats or blocks run out.
+
+        A fork sample whose leader is running but not far enough is skipped (it keeps its
+        place) without blocking the requests behind it.
+        """
+        waiting, running = self.waiting, self.running
+        max_seqs = self.config.max_num_seqs
+        skipped: list[Request] = []
+        while waiting and step.budget > 0 and len(running) < max_seqs:
+            req = waiting.peek()
+            leader = self._fork_leader(req)
+            if leader is False:
+                skipped.append(waiting.pop())
+                continue
+            if leader is None:
+                start, n = self._allocate_new(req, step.budget)
+            else:
+                start, n = self._allocate_fork(req, leader, step.budget)
+            if n == 0:  # the pool can't cover it: stop admitting this step
+                break
+            waiting.pop()
+            running.append(req)
+            req.status = _RUNNING
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = now
+                req.num_cached_tokens = start
+            step.num_scheduled[req.request_id] = n
+            step.admitted.append((req, start))
+            step.budget -= n
+        if skipped:
+            waiting.restore(skipped)
+
+    def _fork_leader(self, req: Request) -> Request | None | bool:
+        """For a fork sample: the leader to share with, False to wait for it, None for no fork.
+
+        The leader qualifies once it is running and had computed all but the last prompt
+        token when this step started (`num_computed_tokens` is not advanced until the end of
+        `schedule()`, so a leader admitted earlier in this call still reads as 0). A leader
+        that is gone or preempted means an ordinary prefill (the prefix cache still helps).
+        """
+        if req.fork_from is None or req.num_prompt_tokens < 2:
+            return None
+        leader = self.requests.get(req.fork_from)
+        if leader is None or leader.prompt_token_ids != req.prompt_token_ids:
+            return None
+        if leader.status is _RUNNING:
+            return leader if leader.num_computed_tokens >= req.num_prompt_tokens - 1 else False
+        # Not started yet: it is ahead in the queue or will be soon; share with it then.
+        return False if leader.status is _WAITING else None
+
+    def _cap(self, req: Request, start: int, budget: int) -> int:
+        """Tokens to schedule for `req` from `start`, within the budget and the model length."""
+        return min(req.num_tokens - start, budget, self.max_model_len - start)
+
+    def _allocate_new(self, req: Request, budget: int) -> tuple[int, int]:
+        """Prefix-cache lookup then slots for the next chunk: (tokens cached, tokens to run).
+
+        Returns n == 0 when the pool can't cover the chunk.
+        """
+        kv = self.kv_manager
+        cached_blocks, num_cached = kv.get_computed_blocks(req)
+        n = self._cap(req, num_cached, budget)
+        if kv.allocate_slots(req, n, cached_blocks or None) is None:
+            return num_cached, 0
+        return num_cached, n
+
+    def _allocate_fork(self, req: Request, leader: Request, budget: int) -> tuple[int, int]:
+        """Shares the leader's first prompt_len - 1 tokens' blocks, then slots for the rest.
+
+        The first allocation copies-on-write the shared partial block; on failure the fork is
+        undone so the request waits with nothing held.
+        """
+        kv, shared = self.kv_manager, req.num_prompt_tokens - 1
+        kv.fork(leader, req, shared)
+        req.num_computed_tokens = shared
+        n = self._cap(req, shared, budget)
+        if kv.allocate_slots(req, n) is None:
+            kv.free(req)
+            req.num_computed_tokens = 0
+            return shared, 0
+        return shared, n
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        """Turns the step into the runner's `SchedulerOutput`, then advances progress."""
+        kv = self.kv_manager
+        copies = kv.take_block_copies()
+        if copies and step.preempted:  # a victim's copies target blocks it no longer holds
+            copies = [c for c in copies if c.request_id not in step.preempted]
+        replaced: dict[str, list[tuple[int, int]]] = {}
+        for c in copies:
+            replaced.setdefault(c.request_id, []).append((c.index, c.dst))
+        num_scheduled = step.num_scheduled
+        cached_reqs = []
+        for req in step.running:
+            rid = req.request_id
+            cached_reqs.append(
+                CachedRequestData(
+                    rid, step.new_block_ids[rid], replaced.get(rid, []), req.num_computed_tokens
+                )
+            )
+            req.num_computed_tokens += num_scheduled[rid]
+        new_reqs = []
+        for req, start in step.admitted:
+            rid = req.request_id
+            new_reqs.append(
+                NewRequestData(
+                    rid,
+                    req.prompt_token_ids,
+                    list(req.output_token_ids),
+                    req.sampling_params,
+                    kv.get_block_ids(rid),
+                    start,
+                )
+            )
+            req.num_computed_tokens = start + num_scheduled[rid]
+        finished = self._left_batch | step.preempted
+        self._left_batch = set()
+        self._in_flight = num_scheduled
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
+            finished_req_ids=finished,
+            preempted_req_ids=step.preempted,
+            block_copies=[(c.src, c.dst) for c in copies],
+        )
+
+    # ---- results ---------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[Request]:
+        """Appends sampled tokens, applies stop conditions, frees finished requests.
+
+        Returns every request that got tokens this step (finished ones included). Tokens for
+        requests no longer running (aborted or finished meanwhile) are dropped.
+        """
+        now = time.monotonic()
+        self._in_flight = {}
+        requests, max_len = self.requests, self.max_model_len
+        updated: list[Request] = []
+        any_finished = False
+        for rid, token_ids in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, strict=True
+        ):
+            req = requests.get(rid)
+            if req is None or req.status is not _RUNNING or not token_ids:
+                continue
+            if len(token_ids) == 1:  # the usual case: no per-token slicing
+                req.append_output_token_ids(token_ids)
+                stopped = check_stop(req, token_ids[0], max_len)
+            else:
+                stopped = self._append_until_stop(req, token_ids)
+            if stopped:
+                self._finish(req, now, in_batch=True)
+                any_finished = True
+            times = req.times
+            if times.first_token is None:
+                times.first_token = now
+            times.last_token = now
+            updated.append(req)
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return updated
+
+    def _append_until_stop(self, req: Request, token_ids: list[int]) -> bool:
+        """Appends several tokens (speculative decoding), dropping any after a stop."""
+        for i, tok in enumerate(token_ids):
+            req.append_output_token_ids(token_ids[i : i + 1])
+            if check_stop(req, tok, self.max_model_len):
+                return True
+        return False
+
+    def _finish(self, req: Request, now: float, in_batch: bool) -> None:
+        """Bookkeeping for a request whose finished status is already set.
+
+        The caller takes it out of `running` / `waiting`. `in_batch`: the runner holds its
+        state (it was running), so the next step reports it in `finished_req_ids`; waiting and
+        preempted requests are not in the batch (a preemption was reported when it happened).
+        """
+        req.times.finished = now
+        # Scheduled but its results not in (a failed step, an abort in between): the K/V of
+        # those tokens may never be written, so the KV manager must not keep their blocks as
+        # cached prefix. (`_in_flight` is the runner's dict too: read it, never mutate it.)
+        req.num_computed_tokens -= self._in_flight.get(req.request_id, 0)
+        self.kv_manager.free(req)
+        del self.requests[req.request_id]
+        if in_batch:
+            self._left_batch.add(req.request_id)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus
+    ) -> list[Request]:
+        """Finishes requests in any state with `status` (aborts, stop strings, errors).
+
+        Unknown or already finished ids are ignored; returns the requests finished here.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status: {status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        now = time.monotonic()
+        done: list[Request] = []
+        queued: list[Request] = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            was_running = req.status is _RUNNING
+            if not was_running:
+                queued.append(req)
+            req.status = status
+            self._finish(req, now, in_batch=was_running)
+            done.append(req)
+        if queued:
+            self.waiting.remove(queued)
+        if len(queued) < len(done):
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return done
+
+    def abort(self, request_id: str) -> Request | None:
+        """Aborts a request in any state; None if it is unknown or already finished."""
+        done = self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        return done[0] if done else None

@@ -1,4 +1,0 @@
-"""Our own model code (Llama/Mistral/Qwen2/Qwen3), the registry and the checkpoint loader.
-
-Import what you need from the submodules: `engine.models.registry`, `engine.models.loader`.
-"""

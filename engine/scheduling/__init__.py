@@ -1,1 +1,0 @@
-"""Helpers of `engine.scheduler` (pure Python, no torch): the waiting queues."""

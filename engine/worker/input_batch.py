@@ -1,0 +1,121 @@
+"""Per-request state the runner keeps between steps, and the flattening of one step into tensors.
+
+The scheduler sends full data for a request once (`NewRequestData`) and diffs afterwards, so
+the runner keeps each request's token ids and block table here. `build_step_inputs` turns
+one `SchedulerOutput` into flat token ids, positions and slot mapping plus the attention
+metadata, with NumPy doing the per-token work so the cost per request stays a few µs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.core.step_io import SchedulerOutput, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.worker.attention.base import AttentionMetadata
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    token_ids: list[int]  # prompt + output, including the last sampled token
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class StepInputs:
+    """One step, flattened: request i owns tokens query_start_loc[i]:query_start_loc[i+1]."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    # Rows of the flattened batch whose hidden state predicts the next token, and their request.
+    sample_rows: list[int]
+    sample_req_ids: list[str]
+    # (request id, first row, first position, count) of prompt positions needing logprobs.
+    prompt_logprob_spans: list[tuple[str, int, int, int]]
+
+
+def build_step_inputs(
+    so: SchedulerOutput,
+    states: dict[str, CachedRequestState],
+    block_size: int,
+    device: torch.device,
+) -> StepInputs:
+    req_ids = list(so.num_scheduled_tokens)
+    num_reqs = len(req_ids)
+    query_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, num_reqs)
+    computed = np.fromiter((states[r].num_computed_tokens for r in req_ids), np.int64, num_reqs)
+    seq_lens = computed + query_lens
+    qsl = np.zeros(num_reqs + 1, np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    total = int(qsl[-1])
+
+    # positions[t] = computed[i] + (t - qsl[i]) for t in request i's range.
+    req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+    positions = np.arange(total, dtype=np.int64) - qsl[:-1][req_of_token] + computed[req_of_token]
+
+    max_blocks = max((len(states[r].block_ids) for r in req_ids), default=1)
+    block_tables = np.zeros((num_reqs, max(max_blocks, 1)), np.int32)
+    token_ids = np.empty(total, np.int64)
+    sample_rows: list[int] = []
+    sample_req_ids: list[str] = []
+    prompt_spans: list[tuple[str, int, int, int]] = []
+    for i, rid in enumerate(req_ids):
+        st = states[rid]
+        blocks = st.block_ids
+        block_tables[i, : len(blocks)] = blocks
+        start, end = int(computed[i]), int(seq_lens[i])
+        token_ids[qsl[i] : qsl[i + 1]] = st.token_ids[start:end]
+        if end == len(st.token_ids):
+            sample_rows.append(int(qsl[i + 1]) - 1)
+            sample_req_ids.append(rid)
+        if st.params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
+            # Position p predicts prompt token p + 1; the last prompt position is a sample row.
+            count = min(end, st.num_prompt_tokens - 1) - start
+            prompt_spans.append((rid, int(qsl[i]), start, count))
+
+    slot_mapping = (
+        block_tables[req_of_token, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+    meta = AttentionMetadata(
+        num_reqs=num_reqs,
+        num_tokens=total,
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(block_tables).to(device),
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        max_query_len=int(query_lens.max()) if num_reqs else 0,
+        max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+        query_start_loc_cpu=qsl.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
+        block_size=block_size,
+    )
+    return StepInputs(
+        req_ids=req_ids,
+        input_ids=torch.from_numpy(token_ids).to(device),
+        positions=meta.positions,
+        attn_metadata=meta,
+        sample_rows=sample_rows,
+        sample_req_ids=sample_req_ids,
+        prompt_logprob_spans=prompt_spans,
+    )

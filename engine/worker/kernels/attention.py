@@ -1,0 +1,59 @@
+"""The paged-attention kernel (csrc/paged_attention.c) from torch tensors.
+
+Used by the torch backend (engine/worker/attention/torch_paged.py) for decode rows on the CPU:
+it reads each request's K/V from its blocks in place instead of gathering them first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.worker.kernels.build import library
+
+# Limits of the kernel's stack buffers (csrc/paged_attention.c); larger shapes use torch.
+MAX_GROUP, MAX_BLOCK, MAX_HEAD_DIM, MAX_ACC = 64, 64, 512, 16384
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether paged_attention can serve this layer's tensors."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and kv_cache.dtype in (torch.float32, torch.bfloat16)
+        and kv_cache.is_contiguous()
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+        and num_heads // num_kv_heads * kv_cache.shape[4] <= MAX_ACC
+        and kv_cache.shape[2] <= MAX_BLOCK
+        and kv_cache.shape[4] <= MAX_HEAD_DIM
+        and library() is not None
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D] fp32, rows contiguous
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D] fp32/bf16, contiguous
+    block_tables: torch.Tensor,  # [R, max_blocks] int32
+    q_rows: torch.Tensor,  # [N] int64: rows of q (and out) to compute
+    reqs: torch.Tensor,  # [N] int64: each row's request (row of block_tables)
+    pos: torch.Tensor,  # [N] int64: each row's position; it sees keys <= pos
+    out: torch.Tensor,  # [T, H, D] fp32, written at q_rows only
+    scale: float,
+    window: int | None,
+) -> None:
+    lib = library()
+    assert lib is not None, "call supports() first"
+    H, D = q.shape[1], q.shape[2]
+    Hkv, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    for t in (q, out):
+        assert t.stride(2) == 1 and t.stride(1) == D, "q/out rows must be [H, D] contiguous"
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
+    tables = tables if tables.stride(1) == 1 else tables.contiguous()
+    rc = lib.paged_attention(
+        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
+        tables.data_ptr(), tables.stride(0), q_rows.data_ptr(), reqs.data_ptr(), pos.data_ptr(),
+        q_rows.numel(), H, Hkv, D, block_size, int(window or 0), float(scale), out.data_ptr(),
+        out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError("paged_attention: shape past the kernel's limits")

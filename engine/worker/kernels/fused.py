@@ -1,0 +1,79 @@
+"""Fused decoder-layer elementwise ops (csrc/fused_ops.c) from torch tensors.
+
+`usable(*tensors)` says whether the fused path applies (CPU, fp32, the library loaded);
+the model falls back to its plain torch ops when it does not. Each wrapper takes 2-D row
+views and honours their row stride, so slices of a larger tensor need no copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.worker.kernels.build import library
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and (
+        library() is not None
+    )
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, n] with unit stride along n (a copy only if it has no such view)."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMSNorm of (x + residual) with the sum written back into `residual` (when given).
+
+    x, residual: [T, n]; weight: [n]. Returns a new [T, n] tensor."""
+    lib = library()
+    x2 = _rows(x)
+    T, n = x2.shape
+    out = torch.empty(T, n)
+    if residual is not None:
+        assert residual.shape == x2.shape and residual.stride(-1) == 1 and residual.is_contiguous()
+    w = weight.contiguous()
+    lib.fused_add_rms_norm(
+        x2.data_ptr(), x2.stride(0), residual.data_ptr() if residual is not None else None,
+        n if residual is not None else 0, w.data_ptr(), float(eps), out.data_ptr(), n, T, n,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate columns, then up) -> silu(gate) * up, [T, I]."""
+    lib = library()
+    g = _rows(gate_up)
+    T, n2 = g.shape
+    out = torch.empty(T, n2 // 2)
+    lib.silu_and_mul(g.data_ptr(), g.stride(0), out.data_ptr(), n2 // 2, T, n2 // 2,
+                     torch.get_num_threads())  # fmt: skip
+    return out
+
+
+def rope_inplace(
+    x: torch.Tensor,  # [T, heads * D] view with unit inner stride (e.g. q and k of qkv)
+    heads: int,
+    head_dim: int,
+    positions: torch.Tensor,  # [T] int64
+    cos_table: torch.Tensor,  # [P, D] fp32
+    sin_table: torch.Tensor,  # [P, D] fp32
+) -> None:
+    """Rotate `heads` heads of every row of x in place (transformers' rotate-half form)."""
+    lib = library()
+    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == heads * head_dim
+    pos = (
+        positions
+        if positions.dtype == torch.long and positions.is_contiguous()
+        else (positions.long().contiguous())
+    )
+    assert cos_table.is_contiguous() and sin_table.is_contiguous()
+    assert cos_table.shape[1] == head_dim
+    lib.rope_inplace(x.data_ptr(), x.stride(0), heads, head_dim, pos.data_ptr(),
+                     cos_table.data_ptr(), sin_table.data_ptr(), x.shape[0],
+                     torch.get_num_threads())  # fmt: skip

@@ -1,0 +1,134 @@
+"""How many KV blocks fit: an explicit count, a CPU size in GiB, or a GPU memory fraction.
+
+On the GPU the budget is `memory_fraction * total` minus what is already allocated (the
+weights) minus the activation peak of a profiling forward at `max_num_batched_tokens`,
+measured by the runner and passed in as `activation_peak_bytes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CacheConfig, ConfigError, SchedulerConfig
+from engine.core.step_io import NewRequestData, SchedulerOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Kept free for CUDA graph pools and FlashInfer workspaces, which are allocated after sizing.
+GRAPH_RESERVE_BYTES = 1 << 30
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def num_blocks_for_cpu(cache: CacheConfig, geom: KVGeometry) -> int:
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    return max(1, int(cache.cpu_kv_cache_gib * _GIB) // geom.bytes_per_block)
+
+
+def num_blocks_for_gpu(
+    cache: CacheConfig,
+    geom: KVGeometry,
+    total_bytes: int,
+    allocated_bytes: int,
+    activation_peak_bytes: int,
+) -> int:
+    """Blocks that fit in `memory_fraction` of the device after weights and activations."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    budget = int(cache.memory_fraction * total_bytes) - allocated_bytes - activation_peak_bytes
+    n = budget // geom.bytes_per_block
+    if n < 1:
+        raise ValueError(
+            "cache.memory_fraction: leaves no room for the KV cache "
+            f"(budget {budget / _GIB:.2f} GiB after weights and activations); raise it or "
+            "lower scheduler.max_num_batched_tokens"
+        )
+    return int(n)
+
+
+def size_gpu_kv_cache(
+    runner, cache: CacheConfig, sched: SchedulerConfig, geom: KVGeometry, max_model_len: int
+) -> int:
+    """Profiles the activation peak, then fits KV blocks into the memory fraction.
+
+    Fails at start (naming the key) when not even one max_model_len request would fit."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    device = runner.device
+    torch.cuda.empty_cache()
+    peak = profile_activation_peak(runner, sched, geom.block_size, max_model_len)
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free  # weights, the CUDA context, and anything outside PyTorch
+    num_blocks = num_blocks_for_gpu(cache, geom, total, used, peak + GRAPH_RESERVE_BYTES)
+    need = math.ceil(max_model_len / geom.block_size)
+    if num_blocks < need:
+        raise ConfigError(
+            "cache.memory_fraction",
+            f"{cache.memory_fraction} of {total / _GIB:.1f} GiB leaves room for {num_blocks} KV "
+            f"blocks after weights and activations ({used / _GIB:.2f} + {peak / _GIB:.2f} GiB), "
+            f"but one max_model_len={max_model_len} request needs {need}; raise the fraction "
+            "or lower model.max_model_len",
+        )
+    logger.info(
+        "kv sizing total_gib=%.1f used_gib=%.2f activation_peak_gib=%.2f blocks=%d",
+        total / _GIB, used / _GIB, peak / _GIB, num_blocks,
+    )  # fmt: skip
+    return num_blocks
+
+
+def profile_requests(sched: SchedulerConfig, max_model_len: int) -> list[int]:
+    """Prompt lengths of a profiling step: the whole token budget over as many requests as
+    max_num_seqs allows (each < max_model_len), so logits and sampling run at full width."""
+    total = sched.max_num_batched_tokens
+    per_req = min(max_model_len - 1, max(1, -(-total // sched.max_num_seqs)))
+    lens: list[int] = []
+    while sum(lens) < total and len(lens) < sched.max_num_seqs:
+        lens.append(min(per_req, total - sum(lens)))
+    return lens
+
+
+def profile_activation_peak(
+    runner, sched: SchedulerConfig, block_size: int, max_model_len: int
+) -> int:
+    """Peak activation bytes of one forward at max_num_batched_tokens (GPU sizing)."""
+    lens = profile_requests(sched, max_model_len)
+    blocks_per = [math.ceil(n / block_size) for n in lens]
+    runner.allocate_kv_cache(sum(blocks_per))
+    base = torch.cuda.memory_allocated(runner.device)
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    so = SchedulerOutput(total_num_scheduled_tokens=sum(lens))
+    first = 0
+    for i, (n, nb) in enumerate(zip(lens, blocks_per, strict=True)):
+        rid = f"profile-{i}"
+        blocks = list(range(first, first + nb))
+        first += nb
+        so.scheduled_new_reqs.append(
+            NewRequestData(rid, [0] * n, [], SamplingParams(max_tokens=1), blocks, 0)
+        )
+        so.num_scheduled_tokens[rid] = n
+    runner.execute(so)
+    runner.execute(SchedulerOutput(finished_req_ids=set(so.num_scheduled_tokens)))
+    peak = torch.cuda.max_memory_allocated(runner.device) - base
+    runner.kv_caches = []
+    torch.cuda.empty_cache()
+    return peak

@@ -1,0 +1,187 @@
+"""Find a checkpoint, build our model class for it and fill it from safetensors.
+
+    resolve_model_path(path)  ->  HF-format directory (config.json, *.safetensors, tokenizer)
+    load_model(config, dev)   ->  LoadedModel (model on `dev`, eval mode, no grads)
+
+Accepted paths: a local HF directory, a `.gguf` file, a directory holding exactly one `.gguf`
+(both converted once, see gguf_loader.py), a hub id already in the local HF cache (never
+downloaded), or None for the default model. The model is built on the meta device and
+materialized directly on the target device, so no time goes into random initialization.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import ConfigError, ModelConfig
+from engine.worker.models.default_model import default_model_gguf
+from engine.worker.models.gguf_loader import convert_gguf
+from engine.worker.models.registry import get_model_class
+from engine.worker.models.rope import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: Any  # transformers PretrainedConfig
+    model_dir: Path  # directory holding config.json and the tokenizer files
+    dtype: torch.dtype
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+
+def find_model_source(path: str | None, hf_cache_dir: str | Path | None = None) -> Path:
+    """The checkpoint a path names without converting it: an HF directory or a .gguf file."""
+    if path is None:
+        return default_model_gguf()
+    p = Path(path).expanduser()
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ValueError(f"model path {path!r} is a file but not a .gguf")
+        return p
+    if p.is_dir():
+        return _source_in_dir(p, path)
+    snapshot = _local_hub_snapshot(path, hf_cache_dir)
+    if snapshot is None:
+        raise FileNotFoundError(
+            f"model path {path!r} is not a local directory or .gguf file, nor a model in the "
+            "local Hugging Face cache (models are never downloaded; fetch it beforehand)"
+        )
+    return _source_in_dir(snapshot, path)
+
+
+def resolve_model_path(path: str | None, hf_cache_dir: str | Path | None = None) -> Path:
+    """A local HF-format directory for `path` (GGUF converted once and cached)."""
+    source = find_model_source(path, hf_cache_dir)
+    return convert_gguf(source) if source.suffix == ".gguf" else source
+
+
+def _source_in_dir(d: Path, original: str) -> Path:
+    if (d / "config.json").is_file():
+        return d
+    ggufs = sorted(d.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        names = ", ".join(g.name for g in ggufs)
+        raise ValueError(f"model path {original!r} holds several .gguf files ({names}); name one")
+    raise FileNotFoundError(f"model path {original!r} has neither config.json nor a .gguf file")
+
+
+def _local_hub_snapshot(repo_id: str, cache_dir: str | Path | None) -> Path | None:
+    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=True))
+    except Exception:  # not cached, invalid id, offline errors: all mean "not available"
+        return None
+
+
+def resolve_dtype(requested: str, hf_config: Any) -> torch.dtype:
+    """`auto` is the checkpoint's dtype (float32 when it records none)."""
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ConfigError("model.dtype", f"must be one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[requested]
+    recorded = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(recorded, torch.dtype):
+        return recorded if recorded in _DTYPES.values() else torch.float32
+    return _DTYPES.get(str(recorded).removeprefix("torch."), torch.float32)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's shards: from model.safetensors.index.json, else every *.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{model_dir} has no *.safetensors weights (pytorch_model.bin is not supported)"
+        )
+    return files
+
+
+def iter_weights(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of every shard, with a progress bar over shards."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    files = safetensors_files(model_dir)
+    # safetensors opens straight onto CUDA; CPU tensors come from the memory map.
+    target = str(device) if device.type in ("cpu", "cuda") else "cpu"
+    for f in tqdm(files, desc="Loading safetensors shards", unit="shard", leave=False):
+        with safe_open(str(f), framework="pt", device=target) as sf:
+            for name in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, sf.get_tensor(name)
+
+
+def read_generation_config(model_dir: Path, hf_config: Any) -> dict[str, Any]:
+    """generation_config.json as a dict; eos/bos/pad fall back to the model config's ids."""
+    path = model_dir / "generation_config.json"
+    gen: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if gen.get(key) is None and getattr(hf_config, key, None) is not None:
+            gen[key] = getattr(hf_config, key)
+    return gen
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Our model class for the config, uninitialized on `device` (rope tables computed)."""
+    cls = get_model_class(getattr(hf_config, "architectures", None) or [])
+    with torch.device("meta"):
+        model = cls(hf_config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build(device)
+    return model
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
+    """Resolve, build and load the model named by `model_config` onto `device`."""
+    from transformers import AutoConfig
+
+    start = time.perf_counter()
+    model_dir = resolve_model_path(model_config.path)
+    hf_config = AutoConfig.from_pretrained(str(model_dir))
+    max_pos = getattr(hf_config, "max_position_embeddings", None)
+    if model_config.max_model_len is not None and max_pos and model_config.max_model_len > max_pos:
+        raise ConfigError(
+            "model.max_model_len",
+            f"{model_config.max_model_len} exceeds the model's max_position_embeddings {max_pos}",
+        )
+    dtype = resolve_dtype(model_config.dtype, hf_config)
+    model = build_model(hf_config, dtype, device)
+    model.load_weights(iter_weights(model_dir, device))
+    model.eval().requires_grad_(False)
+    logger.info(
+        "loaded %s (%s, %s) on %s in %.1f s",
+        model_dir.name,
+        type(model).__name__,
+        str(dtype).removeprefix("torch."),
+        device,
+        time.perf_counter() - start,
+    )
+    return LoadedModel(
+        model=model,
+        hf_config=hf_config,
+        model_dir=model_dir,
+        dtype=dtype,
+        generation_config=read_generation_config(model_dir, hf_config),
+    )

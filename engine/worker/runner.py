@@ -1,0 +1,173 @@
+"""ModelRunner: executes one `SchedulerOutput` on the model and answers with a `RunnerOutput`.
+
+The runner owns the model, the paged KV cache tensors and the per-request state it needs to
+build inputs (token ids, block tables). It never imports the scheduler: all it knows of a
+step arrives in the `SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.core.step_io import RunnerOutput, SchedulerOutput
+from engine.worker.attention.base import AttentionBackend, ForwardContext
+from engine.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from engine.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_generator
+
+logger = logging.getLogger(__name__)
+
+
+def select_attention_backend(
+    device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True
+) -> AttentionBackend:
+    """FlashInfer on CUDA (16-bit caches) when it imports and works; the torch backend else."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        try:
+            from engine.worker.attention.flashinfer import FlashInferBackend
+
+            return FlashInferBackend(device)
+        except Exception as e:  # noqa: BLE001 - any import/init failure falls back
+            logger.warning("flashinfer unavailable (%s); using the torch paged backend", e)
+    from engine.worker.attention.torch_paged import TorchPagedBackend
+
+    return TorchPagedBackend(native=cpu_kernels)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        backend: AttentionBackend | None = None,
+        cpu_kernels: bool = False,
+    ):
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.backend = backend or select_attention_backend(device, dtype, cpu_kernels)
+        if cpu_kernels and device.type == "cpu" and hasattr(model, "enable_cpu_kernels"):
+            logger.info("CPU kernels: %s", model.enable_cpu_kernels())
+        # Set by `capture_graphs` on CUDA: replays decode-only steps from captured graphs.
+        self.graph_runner = None
+        self.sampler = Sampler()
+        # EOS ids the sampler masks until a request reaches its min_tokens.
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.kv_caches: list[torch.Tensor] = []
+        self.states: dict[str, CachedRequestState] = {}
+        # A preempted request keeps its seeded generator so its samples continue, not restart.
+        self._parked_generators: dict[str, torch.Generator | None] = {}
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        m = self.model
+        shape = (num_blocks, 2, self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)
+        ]
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[dst] = cache[src]
+
+    def capture_graphs(self, runtime, max_num_seqs: int, max_model_len: int) -> None:
+        """Captures decode graphs per batch bucket (CUDA only; a no-op that logs why else).
+
+        Must run after the final KV allocation and before any request holds blocks: the
+        all-padding capture batch writes into block 0."""
+        from graphs.cuda_graphs import build_graph_runner
+
+        self.graph_runner = build_graph_runner(
+            self.model, self.backend, self.kv_caches, runtime, self.device,
+            block_size=self.block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        )  # fmt: skip
+
+    # ---- state updates --------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            st = self.states.pop(rid, None)
+            if rid in so.preempted_req_ids and st is not None:
+                self._parked_generators[rid] = st.generator
+            elif rid not in so.preempted_req_ids:
+                self._parked_generators.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            rid = new.request_id
+            gen = self._parked_generators.pop(rid, None)
+            if gen is None:
+                gen = make_generator(new.sampling_params.seed, self.device)
+            self.states[rid] = CachedRequestState(
+                request_id=rid,
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
+                num_prompt_tokens=len(new.prompt_token_ids),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                params=new.sampling_params,
+                generator=gen,
+            )
+        for cached in so.scheduled_cached_reqs:
+            st = self.states[cached.request_id]
+            for index, block_id in cached.replaced_block_ids:
+                st.block_ids[index] = block_id
+            st.block_ids.extend(cached.new_block_ids)
+            st.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- execution ------------------------------------------------------------------------
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        return build_step_inputs(so, self.states, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return RunnerOutput()
+        self._copy_blocks(so.block_copies)
+        inputs = self.prepare_inputs(so)
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
+            hidden = self.graph_runner.run(inputs)  # a static buffer: used before next step
+        else:
+            self.backend.begin_step(inputs.attn_metadata)
+            ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        out = RunnerOutput()
+        self._prompt_logprobs(inputs, hidden, out)
+        if not inputs.sample_rows:
+            return out
+        rows_t = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows_t])
+        rows = []
+        for rid in inputs.sample_req_ids:
+            st = self.states[rid]
+            rows.append(
+                SamplingRow(
+                    st.params,
+                    st.prompt_token_ids,
+                    st.output_token_ids,
+                    st.generator,
+                    () if st.params.ignore_eos else self.eos_token_ids,
+                )
+            )
+        sampled = self.sampler(logits, rows)
+        for rid, tok in zip(inputs.sample_req_ids, sampled.token_ids, strict=True):
+            self.states[rid].token_ids.append(tok)
+        out.req_ids = inputs.sample_req_ids
+        out.sampled_token_ids = [[t] for t in sampled.token_ids]
+        if any(lp is not None for lp in sampled.logprobs):
+            out.logprobs = sampled.logprobs
+        return out
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, out: RunnerOutput):
+        for rid, row0, pos0, count in inputs.prompt_logprob_spans:
+            st = self.states[rid]
+            logits = self.model.compute_logits(hidden[row0 : row0 + count])
+            targets = torch.tensor(st.token_ids[pos0 + 1 : pos0 + 1 + count], device=self.device)
+            out.prompt_logprobs[rid] = compute_prompt_logprobs(
+                logits, targets, st.params.prompt_logprobs or 0
+            )

@@ -1,0 +1,89 @@
+"""The fused elementwise kernels (engine/worker/kernels/fused.py) against the model's torch ops."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from engine.worker.kernels import fused
+from engine.worker.models.layers import RMSNorm, silu_and_mul
+from engine.worker.models.rope import apply_rope
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 513])
+def test_add_rms_norm_matches_residual_add_then_rmsnorm(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(rows, 96, generator=gen), torch.randn(rows, 96, generator=gen) * 3
+    norm = RMSNorm(96, eps=1e-5)
+    norm.weight.data = torch.rand(96, generator=gen) + 0.5
+    expected_sum = x + res
+    expected = norm(expected_sum)
+    out = fused.add_rms_norm(x, res, norm.weight, norm.eps)
+    assert torch.equal(res, expected_sum)  # the residual stream now holds the sum
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
+    # No residual: a plain RMSNorm, input untouched.
+    before = x.clone()
+    torch.testing.assert_close(fused.add_rms_norm(x, None, norm.weight, norm.eps), norm(x))
+    assert torch.equal(x, before)
+
+
+def test_add_rms_norm_reads_a_strided_row_view():
+    big = torch.randn(10, 200)
+    view = big[:, 50:114]  # rows 200 apart
+    w = torch.rand(64)
+    norm = RMSNorm(64)
+    norm.weight.data = w
+    torch.testing.assert_close(fused.add_rms_norm(view, None, w, norm.eps), norm(view))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_silu_and_mul_matches_torch(rows):
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 80, generator=gen) * 8  # covers the exp's whole range
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), silu_and_mul(gate_up))
+
+
+def test_silu_handles_extremes():
+    g = torch.tensor([-1e4, -100.0, -88.0, -20.0, 0.0, 1e-30, 20.0, 88.0, 100.0, 1e4])
+    gate_up = torch.cat([g, torch.ones_like(g)])[None]
+    torch.testing.assert_close(fused.silu_and_mul(gate_up)[0], torch.nn.functional.silu(g))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 200])
+def test_rope_inplace_matches_apply_rope_on_q_and_k_of_qkv(rows):
+    gen = torch.Generator().manual_seed(rows)
+    H, Hkv, D, P = 6, 2, 32, 512
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = torch.arange(P).float()[:, None] * inv[None]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos(), emb.sin()
+    qkv = torch.randn(rows, (H + 2 * Hkv) * D, generator=gen)
+    positions = torch.randint(0, P, (rows,), generator=gen)
+    q = qkv[:, : H * D].reshape(rows, H, D)
+    k = qkv[:, H * D : (H + Hkv) * D].reshape(rows, Hkv, D)
+    v_before = qkv[:, (H + Hkv) * D :].clone()
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    q_ref, k_ref = apply_rope(q, c, s), apply_rope(k, c, s)
+    fused.rope_inplace(qkv[:, : (H + Hkv) * D], H + Hkv, D, positions, cos, sin)
+    torch.testing.assert_close(qkv[:, : H * D].reshape(rows, H, D), q_ref)
+    torch.testing.assert_close(qkv[:, H * D : (H + Hkv) * D].reshape(rows, Hkv, D), k_ref)
+    assert torch.equal(qkv[:, (H + Hkv) * D :], v_before)  # v is not rotated
+
+
+def test_fused_forward_refuses_positions_past_the_rotary_table(tiny_checkpoint):
+    from engine import LLM
+
+    llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=16, block_size=4)
+    model = llm.engine.runner.model
+    assert model._cpu_fused
+    from engine.worker.models import cpu_fused
+
+    too_far = torch.tensor([model.model.rotary_emb.cos_cache.shape[0]])
+    with pytest.raises(ValueError, match="rotary table"):
+        cpu_fused.forward(model, torch.tensor([1]), too_far, ctx=None)

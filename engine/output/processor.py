@@ -162,7 +162,8 @@ class OutputProcessor:
             new_tokens = req.output_token_ids[sample.num_seen_tokens :]
             sample.num_seen_tokens = req.num_output_tokens
             lp = step_lp.get(req.request_id)
-            if sample.logprobs is not None and lp is not None:
+            # No new token (a max_tokens=0 request finishing): its sample's logprobs are moot.
+            if sample.logprobs is not None and lp is not None and new_tokens:
                 sample.logprobs.append(lp)
                 sample.cumulative_logprob += lp.logprob
             if new_tokens and _ends_on_stop_token(req):

@@ -146,10 +146,12 @@ class OutputProcessor:
         step_lp: dict[str, TokenLogprobs | None] = {}
         if runner_output.logprobs is not None:
             step_lp = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
-        for rid, plps in runner_output.prompt_logprobs.items():
+        for rid, chunk in runner_output.prompt_logprobs.items():
             group = self.groups.get(self.parent_of.get(rid, ""))
             if group is not None and group.prompt_logprobs is not None:
-                group.prompt_logprobs.extend(plps)
+                # Replaces entries a recomputed prompt already delivered, appends the rest.
+                end = chunk.first + len(chunk.logprobs)
+                group.prompt_logprobs[chunk.first : end] = chunk.logprobs
 
         touched: dict[str, RequestGroup] = {}
         stops: list[tuple[str, str]] = []

@@ -97,3 +97,22 @@ def test_prompt_logprobs_are_complete_when_the_prompt_is_cached(tiny_llama_dir, 
     assert _scores(again) == pytest.approx(_scores(first), abs=1e-6)
     unsalted = _run(llm, "unsalted", scoring)
     assert _scores(unsalted) == pytest.approx(_scores(first), abs=1e-6)
+
+
+def test_a_preempted_scoring_request_keeps_one_entry_per_prompt_token(tiny_llama_dir, hf_logp):
+    """12 blocks of 4 hold two 14-token prompts but not their 20 outputs each: the newer
+    request, the scoring one, is preempted and computes its prompt again on resuming."""
+    llm = LLM(
+        str(tiny_llama_dir), num_kv_blocks=12, block_size=4, dtype="float32", max_model_len=64
+    )
+    other = list(range(40, 54))
+    outs = llm.generate(
+        [{"prompt_token_ids": other}, {"prompt_token_ids": PROMPT}],
+        [
+            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=1),
+        ],
+        use_tqdm=False,
+    )
+    assert outs[1].metrics.preempted_times  # the premise: it was preempted
+    _assert_match_transformers(outs[1], hf_logp)

@@ -144,9 +144,6 @@ class LLMEngine:
         except SamplingParamsError as e:
             raise InvalidRequestError(str(e), e.param) from e
         max_tokens = self._check_lengths(len(ids), params.max_tokens)
-        if params.prompt_logprobs is not None and cache_salt is None:
-            # Cached prompt blocks are not recomputed, so they would have no logprobs.
-            cache_salt = f"prompt-logprobs:{request_id}"
         eos = sorted(self.tokenizer.eos_token_ids)
         primary_eos = eos[0] if eos else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()

@@ -40,7 +40,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int | None = 16  # None: up to max_model_len
+    max_tokens: int | None = 16  # None: up to max_model_len; 0 needs prompt_logprobs
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per generated token (0 = chosen only)
     prompt_logprobs: int | None = None
@@ -75,10 +75,15 @@ class SamplingParams:
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
         if self.max_tokens is not None:
+            # 0 makes a prompt-scoring request: prefill, prompt logprobs, nothing generated.
             _check(
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                isinstance(self.max_tokens, int)
+                and (
+                    self.max_tokens >= 1
+                    or (self.max_tokens == 0 and self.prompt_logprobs is not None)
+                ),
                 "max_tokens",
-                "must be an integer >= 1",
+                "must be an integer >= 1, or 0 with prompt_logprobs (score the prompt only)",
             )
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         if self.max_tokens is not None:

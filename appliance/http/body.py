@@ -41,7 +41,6 @@ _HARMLESS = {
     "guided_choice": lambda v: v is None,
     "guided_grammar": lambda v: v is None,
     "use_beam_search": lambda v: v in (None, False),
-    "prompt_logprobs": lambda v: v is None,
 }
 
 

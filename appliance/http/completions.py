@@ -1,7 +1,8 @@
 """POST /v1/completions: text or token-id prompts (one or a batch), streamed or not.
 
 Choices are numbered prompt-major: choice index = prompt index * n + sample index, as in
-OpenAI's API. Streamed chunks carry text deltas (the engine's text only ever grows).
+OpenAI's API. Streamed chunks carry text deltas (the engine's text only ever grows). The
+prompt's side (`echo` with `logprobs`, `prompt_logprobs`, `max_tokens` 0) is in `echo`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from appliance.http import convert
+from appliance.http import convert, echo
 from appliance.http.errors import bad_request, from_engine_error
 from appliance.http.protocol import (
     CompletionChoice,
@@ -73,17 +74,16 @@ def _response(
     choices = []
     for p, out in enumerate(finals):
         prefix = _prompt_text(state, out.prompt or out.prompt_token_ids) if req.echo else ""
+        prompt_lps = echo.prompt_logprobs_field(req, out, state.token_str)
         for c in out.outputs:
-            lps = None
-            if req.logprobs is not None and c.logprobs is not None:
-                lps = convert.completion_logprobs(c.logprobs, req.logprobs, state.token_str, 0)
             choices.append(
                 CompletionChoice(
                     index=p * req.n + c.index,
                     text=prefix + c.text,
-                    logprobs=lps,
+                    logprobs=echo.choice_logprobs(req, out, c, prefix, state.token_str),
                     finish_reason=convert.finish_reason(c.finish_reason),
                     stop_reason=c.stop_reason,
+                    prompt_logprobs=prompt_lps,
                 )
             )
     body = whole_body(CompletionResponse, rid, state.model_name, choices, convert.usage(finals))

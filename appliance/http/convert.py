@@ -28,7 +28,8 @@ _MIN_LOGPROB = -9999.0
 TokenStr = Callable[[int], str]
 
 
-def _lp(x: float) -> float:
+def json_logprob(x: float) -> float:
+    """A logprob JSON can carry: -inf and NaN become -9999, as OpenAI sends them."""
     return _MIN_LOGPROB if math.isinf(x) or math.isnan(x) else max(x, _MIN_LOGPROB)
 
 
@@ -59,6 +60,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = None
     else:
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
         logprobs = req.logprobs
@@ -66,10 +68,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
             raise bad_request(
                 "best_of other than n is not supported", "best_of", "unsupported_parameter"
             )
-        if req.echo and req.logprobs is not None:
-            raise bad_request(
-                "echo together with logprobs is not supported", "echo", "unsupported_parameter"
-            )
+        prompt_logprobs = _prompt_logprobs(req)
     try:
         return SamplingParams(
             n=req.n,
@@ -88,12 +87,45 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=_logit_bias(req.logit_bias),
             skip_special_tokens=req.skip_special_tokens,
         )
     except SamplingParamsError as e:
         param = max_tokens_param if e.param == "max_tokens" else e.param
         raise bad_request(f"{param}: {e.reason}", param) from None
+
+
+def _prompt_logprobs(req: CompletionRequest) -> int | None:
+    """The engine's `prompt_logprobs` for a completion request; 400 for what we refuse.
+
+    The echoed prompt is scored when `logprobs` is set, and always when `max_tokens` is 0
+    (a request that only echoes: the engine runs it as a prompt-scoring request). Streamed,
+    the prompt is echoed as text before its logprobs exist, so scoring it is refused."""
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request(
+            "max_tokens: 0 is only allowed with echo: true (to score the prompt without "
+            "generating)",
+            "max_tokens",
+        )
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request(
+            "prompt_logprobs is not supported with stream: true",
+            "prompt_logprobs",
+            "unsupported_parameter",
+        )
+    if req.stream and req.echo and req.logprobs is not None:
+        raise bad_request(
+            "echo together with logprobs is not supported with stream: true",
+            "echo",
+            "unsupported_parameter",
+        )
+    asked = [req.prompt_logprobs] if req.prompt_logprobs is not None else []
+    if req.echo and req.logprobs is not None:
+        asked.append(req.logprobs)
+    elif req.echo and req.max_tokens == 0:
+        asked.append(0)
+    return max(asked, default=None)
 
 
 def engine_param(param: str | None, req: CompletionRequest | ChatCompletionRequest) -> str | None:
@@ -133,12 +165,15 @@ def chat_logprobs(lps: Sequence[TokenLogprobs], num_top: int, token_str: TokenSt
     for lp in lps:
         tok = token_str(lp.token_id)
         top = [
-            TopLogprob(token=(s := token_str(t)), logprob=_lp(v), bytes=list(s.encode()))
+            TopLogprob(token=(s := token_str(t)), logprob=json_logprob(v), bytes=list(s.encode()))
             for t, v in lp.top[:num_top]
         ]
         content.append(
             ChatLogprobToken(
-                token=tok, logprob=_lp(lp.logprob), bytes=list(tok.encode()), top_logprobs=top
+                token=tok,
+                logprob=json_logprob(lp.logprob),
+                bytes=list(tok.encode()),
+                top_logprobs=top,
             )
         )
     return ChatLogprobs(content=content)
@@ -158,9 +193,9 @@ def completion_logprobs(
     for lp in lps:
         tok = token_str(lp.token_id)
         tokens.append(tok)
-        token_logprobs.append(_lp(lp.logprob))
-        top = {token_str(t): _lp(v) for t, v in lp.top[:num_top]}
-        top.setdefault(tok, _lp(lp.logprob))
+        token_logprobs.append(json_logprob(lp.logprob))
+        top = {token_str(t): json_logprob(v) for t, v in lp.top[:num_top]}
+        top.setdefault(tok, json_logprob(lp.logprob))
         top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(tok)

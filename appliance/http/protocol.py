@@ -67,10 +67,16 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt = Field(description="Text, token ids, or a batch of either.")
-    max_tokens: int | None = Field(16, ge=1, description="null: up to the context length.")
+    max_tokens: int | None = Field(
+        16, ge=0, description="null: up to the context length; 0 only with echo (score the prompt)."
+    )
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, description="Only equal to n is supported.")
+    # vLLM extra
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="Top alternatives per prompt token (vLLM's format)."
+    )
 
 
 class CompletionLogprobs(ResponseModel):
@@ -80,12 +86,22 @@ class CompletionLogprobs(ResponseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """One candidate at one prompt position, as vLLM returns `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: int | str | None = None
+    # Per prompt token (the first is null): token id (as a string) -> its candidate entry.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class UsageInfo(ResponseModel):

@@ -108,6 +108,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def skips_prefix_cache_reads(self) -> bool:
+        """True when every prompt token must go through the model: prompt logprobs come
+        out of the forward pass, and a prompt block served from the prefix cache is never
+        computed. Its blocks are still cached for others (their K/V are the same)."""
+        return self.sampling_params.prompt_logprobs is not None
+
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)

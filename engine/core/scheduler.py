@@ -360,7 +360,9 @@ class Scheduler:
         """Appends sampled tokens, applies stop conditions, frees finished requests.
 
         Returns every request that got tokens this step (finished ones included). Tokens for
-        requests no longer running (aborted or finished meanwhile) are dropped.
+        requests no longer running (aborted or finished meanwhile) are dropped, and so is the
+        token sampled at the end of a `max_tokens=0` request's prompt: it finishes with
+        FINISHED_LENGTH and no output as soon as its whole prompt is computed.
         """
         now = time.monotonic()
         self._in_flight = {}
@@ -373,7 +375,10 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING or not token_ids:
                 continue
-            if len(token_ids) == 1:  # the usual case: no per-token slicing
+            if req.max_tokens == 0:  # prompt scoring: its prefill is done, the sample dropped
+                req.status = RequestStatus.FINISHED_LENGTH
+                stopped = True
+            elif len(token_ids) == 1:  # the usual case: no per-token slicing
                 req.append_output_token_ids(token_ids)
                 stopped = check_stop(req, token_ids[0], max_len)
             else:

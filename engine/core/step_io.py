@@ -76,6 +76,19 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """Logprobs of consecutive prompt tokens computed in one step for one request.
+
+    `first` is the index of the first entry in the request's list of prompt-token logprobs
+    (entry i scores prompt token i + 1). A prompt computed again (after a preemption, or by
+    a second sample of the same prompt) yields chunks covering entries already received:
+    they replace them, so the list keeps one entry per prompt token."""
+
+    first: int
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass
 class RunnerOutput:
     # Requests that sampled this step, in batch order.
     req_ids: list[str] = field(default_factory=list)
@@ -83,5 +96,5 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     # Parallel to req_ids when any request asked for logprobs, else None.
     logprobs: list[TokenLogprobs | None] | None = None
-    # request_id -> logprobs of prompt tokens 1..P-1 computed this step (chunks accumulate).
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request_id -> logprobs of prompt tokens 1..P-1 computed this step.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)

@@ -146,10 +146,12 @@ class OutputProcessor:
         step_lp: dict[str, TokenLogprobs | None] = {}
         if runner_output.logprobs is not None:
             step_lp = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
-        for rid, plps in runner_output.prompt_logprobs.items():
+        for rid, chunk in runner_output.prompt_logprobs.items():
             group = self.groups.get(self.parent_of.get(rid, ""))
             if group is not None and group.prompt_logprobs is not None:
-                group.prompt_logprobs.extend(plps)
+                # Replaces entries a recomputed prompt already delivered, appends the rest.
+                end = chunk.first + len(chunk.logprobs)
+                group.prompt_logprobs[chunk.first : end] = chunk.logprobs
 
         touched: dict[str, RequestGroup] = {}
         stops: list[tuple[str, str]] = []
@@ -162,7 +164,8 @@ class OutputProcessor:
             new_tokens = req.output_token_ids[sample.num_seen_tokens :]
             sample.num_seen_tokens = req.num_output_tokens
             lp = step_lp.get(req.request_id)
-            if sample.logprobs is not None and lp is not None:
+            # No new token (a max_tokens=0 request finishing): its sample's logprobs are moot.
+            if sample.logprobs is not None and lp is not None and new_tokens:
                 sample.logprobs.append(lp)
                 sample.cumulative_logprob += lp.logprob
             if new_tokens and _ends_on_stop_token(req):

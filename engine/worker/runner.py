@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from engine.core.step_io import RunnerOutput, SchedulerOutput
+from engine.core.step_io import PromptLogprobsChunk, RunnerOutput, SchedulerOutput
 from engine.worker.attention.base import AttentionBackend, ForwardContext
 from engine.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 from engine.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_generator
@@ -168,6 +168,6 @@ class ModelRunner:
             st = self.states[rid]
             logits = self.model.compute_logits(hidden[row0 : row0 + count])
             targets = torch.tensor(st.token_ids[pos0 + 1 : pos0 + 1 + count], device=self.device)
-            out.prompt_logprobs[rid] = compute_prompt_logprobs(
-                logits, targets, st.params.prompt_logprobs or 0
+            out.prompt_logprobs[rid] = PromptLogprobsChunk(
+                pos0, compute_prompt_logprobs(logits, targets, st.params.prompt_logprobs or 0)
             )

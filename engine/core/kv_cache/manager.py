@@ -100,9 +100,10 @@ class KVCacheManager:
         so the step samples. Returns (block ids, their token count). Takes no references:
         pass the ids to `allocate_slots` right away, before anything else allocates.
         Counts a query of ``request.num_tokens`` tokens and a hit of the returned count.
-        ``([], 0)`` when prefix caching is off.
+        ``([], 0)``, counting nothing, when prefix caching is off or the request
+        `skips_prefix_cache_reads` (it still registers its own full blocks for others).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skips_prefix_cache_reads:
             return [], 0
         st = self._state(request)
         num_blocks = (request.num_tokens - 1) // self.block_size

@@ -46,7 +46,7 @@ KNOWN_CYCLES_BEING_REMOVED: frozenset[frozenset[str]] = frozenset(
 # ---- the graph --------------------------------------------------------------------------------
 @dataclass
 class ImportGraph:
-    """Modules by dotted name; `edges[src][dst]` is the line of src's first import of dst."""
+    """Modules by dotted name; `edges[src][dst]` is the first line where src imports dst."""
 
     root: Path
     files: dict[str, Path] = field(default_factory=dict)
@@ -75,45 +75,48 @@ def discover(root: Path, packages: Iterable[str] = PACKAGES) -> ImportGraph:
     ours = {name.split(".")[0] for name in graph.files}
     for name, path in graph.files.items():
         graph.edges[name], graph.external[name] = {}, {}
-        for target, line in _imports(name, path, name in graph.packages):
-            _add_edge(graph, ours, name, target, line)
+        for target, fallback, line in _imports(name, path, name in graph.packages):
+            _add_edge(graph, ours, name, target, fallback, line)
     return graph
 
 
-def _imports(module: str, path: Path, is_package: bool) -> Iterable[tuple[str, int]]:
-    """(dotted target, line) of every import in the file, `from a import b` as `a.b` and `a`."""
+def _imports(module: str, path: Path, is_package: bool) -> Iterable[tuple[str, str | None, int]]:
+    """(target, fallback, line) of every import in the file.
+
+    `import a.b` is ("a.b", None); `from a import b` is ("a.b", "a"): the module a.b if there
+    is one, else the name b of module a.
+    """
     tree = ast.parse(path.read_text(), filename=str(path))
     here = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, node.lineno
+                yield alias.name, None, node.lineno
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here.split(".")[: len(here.split(".")) - (node.level - 1)]
-                base_name = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                base_name = node.module or ""
+            base = node.module or ""
+            if node.level:  # relative: up from this module's package, level - 1 times
+                parts = here.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], *filter(None, [base])])
             for alias in node.names:
-                # `from a import b`: the module a.b if there is one, else a (resolved later).
-                yield f"{base_name}.{alias.name}\0{base_name}", node.lineno
+                yield f"{base}.{alias.name}", base, node.lineno
 
 
-def _add_edge(graph: ImportGraph, ours: set[str], src: str, target: str, line: int) -> None:
-    candidate, _, fallback = target.partition("\0")
-    top = candidate.split(".")[0]
+def _add_edge(
+    graph: ImportGraph, ours: set[str], src: str, target: str, fallback: str | None, line: int
+) -> None:
+    top = target.split(".")[0]
     if top not in ours:
-        graph.external[src].setdefault(top, line)
+        graph.external[src][top] = min(line, graph.external[src].get(top, line))
         return
-    if candidate in graph.files:
-        dst = candidate
-    elif fallback and fallback in graph.files:
+    if target in graph.files:
+        dst = target
+    elif fallback is not None and fallback in graph.files:
         dst = fallback
     else:
-        graph.missing.append(f"{graph.where(src, line=line)} imports {fallback or candidate}")
+        graph.missing.append(f"{graph.where(src, line=line)} imports {fallback or target}")
         return
     if dst != src:
-        graph.edges[src].setdefault(dst, line)
+        graph.edges[src][dst] = min(line, graph.edges[src].get(dst, line))
 
 
 # ---- what is checked --------------------------------------------------------------------------

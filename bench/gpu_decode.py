@@ -153,10 +153,10 @@ def _decode_rate(model, backend, caches, gr, dev, batch: int, per_seq: int, step
 def bench_decode(model_dir: Path, dev: torch.device, batches: list[int], steps: int, res: dict,
                  save, deadline: float) -> None:  # fmt: skip
     from engine.config import ModelConfig
+    from engine.worker.decode_graphs import GraphRunner
     from engine.worker.models.loader import load_model
     from engine.worker.runner import select_attention_backend
     from graphs.buckets import capture_sizes
-    from graphs.cuda_graphs import GraphRunner
 
     model = load_model(ModelConfig(path=str(model_dir), dtype="bfloat16"), dev).model
     backend = select_attention_backend(dev)

@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
         return LLMEngine
     if name in ("RequestOutput", "CompletionOutput"):
-        from engine import outputs
+        from engine.output import request_output
 
-        return getattr(outputs, name)
+        return getattr(request_output, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

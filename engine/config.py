@@ -102,11 +102,6 @@ class SchedulerConfig:
         _require(self.max_n >= 1, "scheduler.max_n", "must be >= 1")
 
 
-def default_capture_sizes(max_num_seqs: int = 256) -> tuple[int, ...]:
-    sizes = [1, 2, 4, *range(8, 257, 8)]
-    return tuple(s for s in sizes if s <= max_num_seqs) or (1,)
-
-
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Where and how the model runs."""
@@ -120,6 +115,7 @@ class RuntimeConfig:
     cpu_kernels: bool = True
     compile: bool = False
     cuda_graphs: bool = True
+    # Decode batch sizes to capture; None: graphs' default (graphs.buckets.capture_sizes).
     capture_sizes: tuple[int, ...] | None = None
     compile_cache_dir: str | None = None
 

@@ -86,19 +86,15 @@ class LLMEngine:
             self.device,
             loaded.dtype,
             block_size,
-            cpu_kernels=rt.cpu_kernels and not rt.compile,
+            rt,
+            eos_token_ids=self.tokenizer.eos_token_ids,
         )
-        self.runner.eos_token_ids = tuple(sorted(self.tokenizer.eos_token_ids))
-        if rt.compile:
-            from graphs.compile import maybe_compile
-
-            self.runner.model = maybe_compile(model, rt)
         geom = KVGeometry(
             model.num_layers, block_size, model.num_kv_heads, model.head_dim, loaded.dtype
         )
         num_blocks = self._size_kv_cache(geom)
         self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_graphs(rt, config.scheduler.max_num_seqs, self.max_model_len)
+        self.runner.capture_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)

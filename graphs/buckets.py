@@ -13,6 +13,9 @@ first b rows the graph for b reads. Rows n..b-1 are padding and must be harmless
 
 Padded rows compute garbage that nobody reads: every op of the model is row-independent
 except attention, which is per request. The caller slices the first n output rows.
+
+Plain tensors and sizes only: what a step means to attention (its metadata) is the engine's
+business (`engine/worker/decode_graphs.py`), so this package imports nothing from it.
 """
 
 from __future__ import annotations
@@ -23,9 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import default_capture_sizes
-from engine.worker.attention.base import AttentionMetadata
-
 PAD_TOKEN_ID = 0
 PAD_POSITION = 0
 PAD_SLOT = -1
@@ -33,12 +33,18 @@ PAD_SEQ_LEN = 1
 PAD_BLOCK = 0
 
 
+def default_capture_sizes(max_num_seqs: int = 256) -> tuple[int, ...]:
+    """`[1, 2, 4] + range(8, 257, 8)` trimmed to `max_num_seqs` (at least `(1,)`)."""
+    sizes = [1, 2, 4, *range(8, 257, 8)]
+    return tuple(s for s in sizes if s <= max_num_seqs) or (1,)
+
+
 def capture_sizes(configured: Sequence[int] | None, max_num_seqs: int) -> tuple[int, ...]:
     """Sorted, unique bucket sizes no larger than `max_num_seqs`.
 
-    `configured` is `runtime.capture_sizes` (None: `[1, 2, 4] + range(8, 257, 8)`). A
-    configured list with nothing <= max_num_seqs becomes `(max_num_seqs,)`: no step is
-    larger, so that one bucket serves every batch.
+    `configured` is the user's list (None: `default_capture_sizes`). A configured list with
+    nothing <= max_num_seqs becomes `(max_num_seqs,)`: no step is larger, so that one bucket
+    serves every batch.
     """
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -105,35 +111,31 @@ class StaticDecodeInputs:
 
     def fill(
         self,
+        bucket: int,
+        *,
         input_ids: torch.Tensor,  # [n] int64
         positions: torch.Tensor,  # [n] int64
-        metadata: AttentionMetadata,  # decode-only, n requests
-        bucket: int,
-        full_width: bool = False,
-    ) -> AttentionMetadata:
-        """Copy a decode step into the first `bucket` rows, padded; metadata over those rows.
-
-        `full_width` hands the backend all block-table columns (fixed addresses, for graphs);
-        otherwise only the step's columns (less work for a backend that reads every column).
-        """
-        n = metadata.num_reqs
-        if not metadata.is_decode_only or metadata.num_tokens != n:
-            raise ValueError("only decode-only steps (one token per request) can be padded")
+        slot_mapping: torch.Tensor,  # [n] int64
+        seq_lens: torch.Tensor,  # [n] int32
+        block_tables: torch.Tensor,  # [n, width] int32
+    ) -> None:
+        """Copy n decode rows into the first `bucket` rows; rows n..bucket-1 become padding."""
+        n = input_ids.shape[0]
         if not 1 <= n <= bucket <= self.max_batch:
             raise ValueError(f"{n} requests do not fit bucket {bucket} (max {self.max_batch})")
-        width = metadata.block_tables.shape[1]
+        width = block_tables.shape[1]
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block table of {width} columns > {self.max_blocks_per_seq}")
-        pad_into(self.input_ids[:bucket], input_ids[:n], PAD_TOKEN_ID)
-        pad_into(self.positions[:bucket], positions[:n], PAD_POSITION)
-        pad_into(self.slot_mapping[:bucket], metadata.slot_mapping[:n], PAD_SLOT)
-        pad_into(self.seq_lens[:bucket], metadata.seq_lens[:n], PAD_SEQ_LEN)
-        pad_into(self.block_tables[:bucket, :width], metadata.block_tables[:n], PAD_BLOCK)
-        seq_lens_cpu = [*metadata.seq_lens_cpu[:n], *([PAD_SEQ_LEN] * (bucket - n))]
-        return self._metadata(bucket, seq_lens_cpu, metadata.block_size, full_width, width)
+        pad_into(self.input_ids[:bucket], input_ids, PAD_TOKEN_ID)
+        pad_into(self.positions[:bucket], positions, PAD_POSITION)
+        pad_into(self.slot_mapping[:bucket], slot_mapping, PAD_SLOT)
+        pad_into(self.seq_lens[:bucket], seq_lens, PAD_SEQ_LEN)
+        pad_into(self.block_tables[:bucket, :width], block_tables, PAD_BLOCK)
 
-    def dummy(self, bucket: int, block_size: int) -> AttentionMetadata:
-        """A batch of `bucket` padding rows, for graph capture (nothing is written anywhere)."""
+    def fill_padding(self, bucket: int) -> None:
+        """The first `bucket` rows all padding: the dummy batch graphs are captured with."""
+        if not 1 <= bucket <= self.max_batch:
+            raise ValueError(f"bucket {bucket} outside 1..{self.max_batch}")
         for t, fill in (
             (self.input_ids, PAD_TOKEN_ID),
             (self.positions, PAD_POSITION),
@@ -142,23 +144,3 @@ class StaticDecodeInputs:
             (self.block_tables, PAD_BLOCK),
         ):
             t[:bucket].fill_(fill)
-        return self._metadata(bucket, [PAD_SEQ_LEN] * bucket, block_size, True, 1)
-
-    def _metadata(
-        self, bucket: int, seq_lens_cpu: list[int], block_size: int, full_width: bool, width: int
-    ) -> AttentionMetadata:
-        cols = self.max_blocks_per_seq if full_width else width
-        return AttentionMetadata(
-            num_reqs=bucket,
-            num_tokens=bucket,
-            query_start_loc=self.query_start_loc[: bucket + 1],
-            seq_lens=self.seq_lens[:bucket],
-            block_tables=self.block_tables[:bucket, :cols],
-            slot_mapping=self.slot_mapping[:bucket],
-            positions=self.positions[:bucket],
-            max_query_len=1,
-            max_seq_len=max(seq_lens_cpu),
-            query_start_loc_cpu=list(range(bucket + 1)),
-            seq_lens_cpu=seq_lens_cpu,
-            block_size=block_size,
-        )

@@ -1,21 +1,14 @@
-"""The one place torch.compile is applied to a model, and with which options.
+"""The one place torch.compile is applied, and with which options.
 
-`maybe_compile(model, runtime)` returns the model unchanged when `runtime.compile` is off,
-else a `CompiledModel` whose forward is compiled with dynamic shapes, so one set of compiled
-graphs serves every token count. Dynamo specialises sizes 0 and 1, so a step of exactly one
-token compiles once more; after one multi-token step and one single-token step nothing
-recompiles (tests/graphs/test_compile.py counts). Weights keep static shapes.
+`compile_dynamic(fn)` compiles a callable with dynamic shapes, so one set of compiled graphs
+serves every token count. Dynamo specialises sizes 0 and 1, so a call with a dimension of
+exactly one compiles once more; after that nothing recompiles (the engine's model wrapper,
+`engine/worker/compiled_model.py`, and its test count). `run_eagerly(fn)` marks a function
+dynamo must not trace: compiled code calls it as a graph break, so Python planning inside
+it (host lists, per-step caches) runs every call and never becomes a guard or a recompile.
 
-Attention stays outside the compiled region: the backend seen by the compiled code is an
-`EagerAttention` proxy whose `forward` is `torch.compiler.disable`d. Dynamo breaks the graph
-around each attention call, so a backend's Python planning (FlashInfer `plan()` arrays,
-per-step caches, host lists) runs eagerly every step and never becomes a guard or a
-recompile, and CUDA graphs captured over the compiled model still replay FlashInfer's own
-kernels with the plan made before each replay.
-
-The inductor cache directory (`runtime.compile_cache_dir`) is exported as
-`TORCHINDUCTOR_CACHE_DIR` when the model is compiled, not at import time, so a restarted
-server reuses compiled kernels.
+The inductor cache directory is exported as `TORCHINDUCTOR_CACHE_DIR` when something is
+compiled, not at import time, so a restarted server reuses compiled kernels.
 """
 
 from __future__ import annotations
@@ -24,87 +17,15 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from torch import nn
-
-from engine.config import RuntimeConfig
-from engine.worker.attention.base import (
-    AttentionBackend,
-    AttentionLayerSpec,
-    AttentionMetadata,
-    ForwardContext,
-)
 
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
-
-class EagerAttention(AttentionBackend):
-    """Delegates to a backend; `forward` is excluded from torch.compile (a graph break)."""
-
-    def __init__(self, inner: AttentionBackend):
-        self.inner = inner
-        self.name = inner.name
-
-    def begin_step(self, metadata: AttentionMetadata) -> None:
-        self.inner.begin_step(metadata)
-
-    @torch.compiler.disable
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        layer: AttentionLayerSpec,
-    ) -> torch.Tensor:
-        return self.inner.forward(q, k, v, kv_cache, metadata, layer)
-
-    def __getattr__(self, name: str) -> Any:  # graph hooks etc. of the wrapped backend
-        return getattr(self.inner, name)
-
-
-class CompiledModel(nn.Module):
-    """`model` with a compiled forward; everything else (compute_logits, attributes) as is."""
-
-    def __init__(self, model: nn.Module, backend: str | Callable = "inductor", **options: Any):
-        super().__init__()
-        self.model = model
-        # dynamic=True rather than mark_dynamic on the token dim: each attention graph break
-        # starts a new frame (resume functions, layer forwards) whose inputs cannot be
-        # marked, and would otherwise compile static first and dynamic on a second size.
-        self._compiled = torch.compile(model.forward, backend=backend, dynamic=True, **options)
-        self._proxies: dict[int, EagerAttention] = {}
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        ctx: ForwardContext,
-    ) -> torch.Tensor:  # [T, hidden]
-        eager_ctx = ForwardContext(ctx.attn_metadata, ctx.kv_caches, self._proxy(ctx.backend))
-        return self._compiled(input_ids, positions, eager_ctx)
-
-    def _proxy(self, backend: AttentionBackend) -> EagerAttention:
-        if isinstance(backend, EagerAttention):
-            return backend
-        proxy = self._proxies.get(id(backend))
-        if proxy is None or proxy.inner is not backend:
-            proxy = self._proxies[id(backend)] = EagerAttention(backend)
-        return proxy
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_modules"]["model"], name)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def set_compile_cache_dir(path: str | None) -> str | None:
@@ -117,13 +38,29 @@ def set_compile_cache_dir(path: str | None) -> str | None:
     return os.environ.get(CACHE_ENV)
 
 
-def maybe_compile(model: nn.Module, runtime: RuntimeConfig, **options: Any) -> nn.Module:
-    """`model` itself when `runtime.compile` is off, else a `CompiledModel` around it.
+def compile_dynamic(
+    fn: Callable[..., Any],
+    *,
+    cache_dir: str | None = None,
+    backend: str | Callable = "inductor",
+    **options: Any,
+) -> Callable[..., Any]:
+    """`torch.compile(fn, dynamic=True)`, inductor's cache in `cache_dir` (None: as set).
 
-    `options` go to torch.compile (tests pass a counting `backend=`).
+    dynamic=True rather than mark_dynamic on one dimension: each graph break starts a new
+    frame (resume functions, nested calls) whose inputs cannot be marked, and would otherwise
+    compile static first and dynamic on a second size. `backend` and `options` go to
+    torch.compile (tests pass a counting backend).
     """
-    if not runtime.compile:
-        return model
-    cache_dir = set_compile_cache_dir(runtime.compile_cache_dir)
-    logger.info("torch.compile on (dynamic token dim, attention eager); cache dir %s", cache_dir)
-    return CompiledModel(model, **options)
+    in_use = set_compile_cache_dir(cache_dir)
+    logger.info("torch.compile %s (dynamic shapes); cache dir %s", _name(fn), in_use)
+    return torch.compile(fn, backend=backend, dynamic=True, **options)
+
+
+def run_eagerly(fn: F) -> F:
+    """`fn` excluded from torch.compile: compiled callers break the graph around it."""
+    return torch.compiler.disable(fn)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)

@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny random HF checkpoints built once per session, offline."""
+"""Shared fixtures: tiny random HF checkpoints built once per session, offline.
+
+torch and transformers are imported inside the fixtures, never at import time: tests/core
+runs without them (tests/test_import_graph.py checks it with both made unimportable).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,6 @@ from typing import Any
 
 import pytest
 
-from tests.support.tiny_models import hf_greedy as _hf_greedy
-from tests.support.tiny_models import make_tiny_checkpoint
-
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
@@ -20,6 +21,8 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
     Overrides are those of `tests.support.tiny_models.make_tiny_checkpoint` (tie_word_embeddings,
     sliding_window, rope_scaling, max_shard_size, seed, any config field).
     """
+    from tests.support.tiny_models import make_tiny_checkpoint
+
     root = tmp_path_factory.mktemp("tiny_ckpts")
     cache: dict[str, Path] = {}
 
@@ -41,4 +44,6 @@ def tiny_llama_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def hf_greedy() -> Callable[..., list[list[int]]]:
     """`hf_greedy(model_dir, prompt_token_ids_list, max_new_tokens, ignore_eos=False)`."""
-    return _hf_greedy
+    from tests.support.tiny_models import hf_greedy
+
+    return hf_greedy

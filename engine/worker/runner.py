@@ -8,11 +8,14 @@ step arrives in the `SchedulerOutput`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 
+from engine.config import RuntimeConfig
 from engine.core.step_io import PromptLogprobsChunk, RunnerOutput, SchedulerOutput
 from engine.worker.attention.base import AttentionBackend, ForwardContext
+from engine.worker.decode_graphs import GraphRunner, build_graph_runner
 from engine.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 from engine.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_generator
 
@@ -36,27 +39,44 @@ def select_attention_backend(
 
 
 class ModelRunner:
+    """Builds itself from the loaded model and the runtime options; the engine only calls it.
+
+    Construction applies what changes the model: the CPU kernels (when `runtime.cpu_kernels`
+    and not compiling: inductor compiles the plain ops instead) and torch.compile (a
+    `CompiledModel` when `runtime.compile`). Decode graphs come later, from `capture_graphs`,
+    once the final KV cache is allocated.
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
         device: torch.device,
         dtype: torch.dtype,
         block_size: int,
+        runtime: RuntimeConfig,
+        *,
+        eos_token_ids: Iterable[int] = (),
         backend: AttentionBackend | None = None,
-        cpu_kernels: bool = False,
     ):
-        self.model = model
+        """`eos_token_ids`: the model's EOS ids, masked until a request reaches min_tokens.
+        `backend`: the attention backend (default: FlashInfer on CUDA, the torch one else)."""
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.runtime = runtime
+        cpu_kernels = runtime.cpu_kernels and not runtime.compile
         self.backend = backend or select_attention_backend(device, dtype, cpu_kernels)
         if cpu_kernels and device.type == "cpu" and hasattr(model, "enable_cpu_kernels"):
             logger.info("CPU kernels: %s", model.enable_cpu_kernels())
+        if runtime.compile:  # imported here: torch._dynamo alone takes a second to import
+            from engine.worker.compiled_model import CompiledModel
+
+            model = CompiledModel(model, cache_dir=runtime.compile_cache_dir)
+        self.model = model
         # Set by `capture_graphs` on CUDA: replays decode-only steps from captured graphs.
-        self.graph_runner = None
+        self.graph_runner: GraphRunner | None = None
         self.sampler = Sampler()
-        # EOS ids the sampler masks until a request reaches its min_tokens.
-        self.eos_token_ids: tuple[int, ...] = ()
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos_token_ids))
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, CachedRequestState] = {}
         # A preempted request keeps its seeded generator so its samples continue, not restart.
@@ -78,15 +98,14 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache[dst] = cache[src]
 
-    def capture_graphs(self, runtime, max_num_seqs: int, max_model_len: int) -> None:
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Captures decode graphs per batch bucket (CUDA only; a no-op that logs why else).
 
         Must run after the final KV allocation and before any request holds blocks: the
         all-padding capture batch writes into block 0."""
-        from graphs.cuda_graphs import build_graph_runner
-
         self.graph_runner = build_graph_runner(
-            self.model, self.backend, self.kv_caches, runtime, self.device,
+            self.model, self.backend, self.kv_caches, self.device,
+            enabled=self.runtime.cuda_graphs, sizes=self.runtime.capture_sizes,
             block_size=self.block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         )  # fmt: skip
 

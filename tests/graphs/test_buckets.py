@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import RuntimeConfig
 from graphs.buckets import (
     PAD_BLOCK,
+    PAD_POSITION,
     PAD_SEQ_LEN,
     PAD_SLOT,
+    PAD_TOKEN_ID,
     StaticDecodeInputs,
     capture_sizes,
+    default_capture_sizes,
     pad_into,
     pick_bucket,
 )
-from tests.support.paged_harness import build_metadata
 
 
 def test_default_capture_sizes_are_powers_then_multiples_of_eight():
@@ -31,9 +32,13 @@ def test_capture_sizes_are_trimmed_to_max_num_seqs():
     assert capture_sizes(None, 1) == (1,)
 
 
+def test_no_configured_sizes_means_the_default():
+    assert capture_sizes(None, 64) == default_capture_sizes(64)
+    assert default_capture_sizes(0) == (1,)
+
+
 def test_configured_capture_sizes_win_sorted_and_unique():
-    rt = RuntimeConfig(capture_sizes=(16, 4, 4, 1, 512))
-    assert capture_sizes(rt.capture_sizes, 64) == (1, 4, 16)
+    assert capture_sizes((16, 4, 4, 1, 512), 64) == (1, 4, 16)
     assert capture_sizes((128, 256), 64) == (64,)
 
 
@@ -59,68 +64,56 @@ def test_pad_into_fills_the_tail_in_place():
         pad_into(dst[:1], torch.tensor([1, 2]), 0)
 
 
-def _decode_step(seq_lens, tables, block_size=4):
-    md = build_metadata([1] * len(seq_lens), seq_lens, tables, block_size)
-    ids = torch.arange(100, 100 + len(seq_lens))
-    return ids, md
+def _rows(seq_lens: list[int], tables: list[list[int]]) -> dict[str, torch.Tensor]:
+    """A decode step's per-row tensors: token 100+i at its last position, slot 10*(i+1)."""
+    width = max(len(t) for t in tables)
+    n = len(seq_lens)
+    return dict(
+        input_ids=torch.arange(100, 100 + n),
+        positions=torch.tensor([s - 1 for s in seq_lens]),
+        slot_mapping=torch.tensor([10 * (i + 1) for i in range(n)]),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+    )
 
 
-def test_fill_pads_tokens_positions_slots_and_metadata():
+def test_fill_copies_rows_and_pads_the_rest_of_the_bucket_in_place():
     buf = StaticDecodeInputs.allocate(8, max_blocks_per_seq=4, device="cpu")
-    ids, md = _decode_step([6, 3, 9], [[5, 2], [7], [1, 3, 4]])
-    padded = buf.fill(ids, md.positions, md, bucket=4)
-    assert buf.input_ids[:4].tolist() == [100, 101, 102, 0]
-    assert buf.positions[:4].tolist() == [5, 2, 8, 0]
-    # slots: 2*4+1, 7*4+2, 4*4+0, then padding writes nowhere
-    assert buf.slot_mapping[:4].tolist() == [9, 30, 16, PAD_SLOT]
+    ptrs = [t.data_ptr() for t in (buf.input_ids, buf.slot_mapping, buf.block_tables)]
+    buf.fill(4, **_rows([6, 3, 9], [[5, 2], [7], [1, 3, 4]]))
+    assert buf.input_ids[:4].tolist() == [100, 101, 102, PAD_TOKEN_ID]
+    assert buf.positions[:4].tolist() == [5, 2, 8, PAD_POSITION]
+    assert buf.slot_mapping[:4].tolist() == [10, 20, 30, PAD_SLOT]
     assert buf.seq_lens[:4].tolist() == [6, 3, 9, PAD_SEQ_LEN]
-    assert padded.block_tables.tolist() == [[5, 2, 0], [7, 0, 0], [1, 3, 4], [PAD_BLOCK] * 3]
-    assert (padded.num_reqs, padded.num_tokens, padded.max_query_len) == (4, 4, 1)
-    assert padded.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert padded.query_start_loc_cpu == [0, 1, 2, 3, 4]
-    assert padded.seq_lens_cpu == [6, 3, 9, 1]
-    assert padded.max_seq_len == 9 and padded.block_size == 4
-    # Views of the static buffers, so a captured graph sees every step's values.
-    assert padded.slot_mapping.data_ptr() == buf.slot_mapping.data_ptr()
-    assert padded.block_tables.data_ptr() == buf.block_tables.data_ptr()
+    assert buf.block_tables[:4, :3].tolist() == [[5, 2, 0], [7, 0, 0], [1, 3, 4], [PAD_BLOCK] * 3]
+    assert buf.query_start_loc.tolist() == list(range(9))
+    # Fixed addresses: a captured graph reads the same tensors every step.
+    assert [t.data_ptr() for t in (buf.input_ids, buf.slot_mapping, buf.block_tables)] == ptrs
 
 
-def test_fill_full_width_exposes_every_static_column():
-    buf = StaticDecodeInputs.allocate(4, max_blocks_per_seq=6, device="cpu")
-    ids, md = _decode_step([6], [[5, 2]])
-    padded = buf.fill(ids, md.positions, md, bucket=2, full_width=True)
-    assert padded.block_tables.shape == (2, 6)
-    assert padded.block_tables[:, :2].tolist() == [[5, 2], [0, 0]]
-
-
-def test_refill_with_a_smaller_batch_leaves_no_stale_rows_in_the_bucket():
+def test_refill_with_fewer_rows_leaves_no_stale_rows_in_the_bucket():
     buf = StaticDecodeInputs.allocate(4, max_blocks_per_seq=4, device="cpu")
-    ids, md = _decode_step([6, 3, 9, 2], [[5, 2], [7], [1, 3, 4], [8]])
-    buf.fill(ids, md.positions, md, bucket=4)
-    ids, md = _decode_step([7], [[5, 2]])
-    padded = buf.fill(ids, md.positions, md, bucket=4)
+    buf.fill(4, **_rows([6, 3, 9, 2], [[5, 2], [7], [1, 3], [8]]))
+    buf.fill(4, **_rows([7], [[5, 2]]))
     assert buf.slot_mapping.tolist() == [10, PAD_SLOT, PAD_SLOT, PAD_SLOT]
-    assert padded.block_tables.tolist() == [[5, 2], [0, 0], [0, 0], [0, 0]]
-    assert padded.seq_lens.tolist() == [7, 1, 1, 1]
+    assert buf.seq_lens.tolist() == [7, 1, 1, 1]
+    assert buf.block_tables[:, :2].tolist() == [[5, 2], [0, 0], [0, 0], [0, 0]]
 
 
-def test_fill_rejects_prefill_steps_and_oversized_batches():
+def test_fill_rejects_batches_and_block_tables_that_do_not_fit():
     buf = StaticDecodeInputs.allocate(2, max_blocks_per_seq=2, device="cpu")
-    md = build_metadata([2], [5], [[1, 2]], 4)
-    with pytest.raises(ValueError, match="decode-only"):
-        buf.fill(torch.tensor([1, 2]), md.positions, md, bucket=2)
-    ids, md = _decode_step([3, 3, 3], [[1], [2], [3]])
     with pytest.raises(ValueError, match="do not fit"):
-        buf.fill(ids, md.positions, md, bucket=2)
-    ids, md = _decode_step([9], [[1, 2, 3]])
+        buf.fill(2, **_rows([3, 3, 3], [[1], [2], [3]]))
+    with pytest.raises(ValueError, match="do not fit"):
+        buf.fill(4, **_rows([3], [[1]]))  # bucket larger than the buffers
     with pytest.raises(ValueError, match="columns"):
-        buf.fill(ids, md.positions, md, bucket=1)
+        buf.fill(1, **_rows([9], [[1, 2, 3]]))
 
 
-def test_dummy_batch_is_all_padding():
+def test_fill_padding_makes_the_bucket_all_padding():
     buf = StaticDecodeInputs.allocate(4, max_blocks_per_seq=3, device="cpu")
-    md = buf.dummy(4, block_size=16)
-    assert md.slot_mapping.tolist() == [PAD_SLOT] * 4
-    assert md.seq_lens_cpu == [1, 1, 1, 1]
-    assert md.block_tables.shape == (4, 3)
-    assert md.is_decode_only
+    buf.fill(4, **_rows([6, 3], [[5, 2], [7]]))
+    buf.fill_padding(4)
+    assert buf.slot_mapping.tolist() == [PAD_SLOT] * 4
+    assert buf.seq_lens.tolist() == [PAD_SEQ_LEN] * 4
+    assert buf.block_tables.tolist() == [[PAD_BLOCK] * 3] * 4

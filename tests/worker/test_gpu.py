@@ -94,7 +94,7 @@ def _eager_greedy(model, backend, n: int, steps: int) -> dict[int, list[int]]:
 
 
 def test_cuda_graph_replay_equals_eager_tokens(tiny_gpu_model, flashinfer_backend):
-    from graphs.cuda_graphs import GraphRunner
+    from engine.worker.decode_graphs import GraphRunner
 
     _, model = tiny_gpu_model
     eager = _eager_greedy(model, flashinfer_backend, 9, 10)

@@ -1,5 +1,8 @@
 """GraphRunner on the CPU: static buffers, padding to buckets and slicing, with eager replay.
 
+The padded step's attention metadata (views of the static buffers, padding rows, full-width
+block tables for graphs) is checked first, then the runner end to end.
+
 Every decode batch size around the bucket boundaries must give the hidden states, greedy
 tokens and KV cache of unpadded eager execution, and padded rows must write nowhere. The
 capture/replay bookkeeping (largest bucket first, one pool, plan before every replay) runs
@@ -13,11 +16,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import ModelConfig, RuntimeConfig
+from engine.config import ModelConfig
 from engine.worker.attention.base import ForwardContext
 from engine.worker.attention.torch_paged import TorchPagedBackend
+from engine.worker.decode_graphs import (
+    GraphRunner,
+    build_graph_runner,
+    dummy_decode_metadata,
+    padded_decode_metadata,
+)
 from engine.worker.models.loader import load_model
-from graphs.cuda_graphs import GraphRunner, build_graph_runner
+from graphs.buckets import PAD_BLOCK, PAD_SEQ_LEN, PAD_SLOT, StaticDecodeInputs
 from tests.support.fake_flashinfer import fake_backend
 from tests.support.paged_harness import PagedRun, build_metadata
 
@@ -61,6 +70,75 @@ def _eager(model, backend, step, caches) -> torch.Tensor:
     return model(step.input_ids, step.positions, ctx)
 
 
+# ---- the padded step's metadata -------------------------------------------------------------
+def _small_step(seq_lens, tables, block_size=4):
+    md = build_metadata([1] * len(seq_lens), seq_lens, tables, block_size)
+    ids = torch.arange(100, 100 + len(seq_lens))
+    return ids, md
+
+
+def test_padded_metadata_covers_the_bucket_with_padding_rows():
+    buf = StaticDecodeInputs.allocate(8, max_blocks_per_seq=4, device="cpu")
+    ids, md = _small_step([6, 3, 9], [[5, 2], [7], [1, 3, 4]])
+    padded = padded_decode_metadata(buf, ids, md, bucket=4)
+    assert buf.input_ids[:4].tolist() == [100, 101, 102, 0]
+    assert buf.positions[:4].tolist() == [5, 2, 8, 0]
+    # slots: 2*4+1, 7*4+2, 4*4+0, then padding writes nowhere
+    assert buf.slot_mapping[:4].tolist() == [9, 30, 16, PAD_SLOT]
+    assert buf.seq_lens[:4].tolist() == [6, 3, 9, PAD_SEQ_LEN]
+    assert padded.block_tables.tolist() == [[5, 2, 0], [7, 0, 0], [1, 3, 4], [PAD_BLOCK] * 3]
+    assert (padded.num_reqs, padded.num_tokens, padded.max_query_len) == (4, 4, 1)
+    assert padded.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert padded.query_start_loc_cpu == [0, 1, 2, 3, 4]
+    assert padded.seq_lens_cpu == [6, 3, 9, 1]
+    assert padded.max_seq_len == 9 and padded.block_size == 4
+    # Views of the static buffers, so a captured graph sees every step's values.
+    assert padded.slot_mapping.data_ptr() == buf.slot_mapping.data_ptr()
+    assert padded.block_tables.data_ptr() == buf.block_tables.data_ptr()
+
+
+def test_full_width_metadata_exposes_every_static_column():
+    buf = StaticDecodeInputs.allocate(4, max_blocks_per_seq=6, device="cpu")
+    ids, md = _small_step([6], [[5, 2]])
+    padded = padded_decode_metadata(buf, ids, md, bucket=2, full_width=True)
+    assert padded.block_tables.shape == (2, 6)
+    assert padded.block_tables[:, :2].tolist() == [[5, 2], [0, 0]]
+
+
+def test_refill_with_a_smaller_batch_leaves_no_stale_rows_in_the_bucket():
+    buf = StaticDecodeInputs.allocate(4, max_blocks_per_seq=4, device="cpu")
+    ids, md = _small_step([6, 3, 9, 2], [[5, 2], [7], [1, 3, 4], [8]])
+    padded_decode_metadata(buf, ids, md, bucket=4)
+    ids, md = _small_step([7], [[5, 2]])
+    padded = padded_decode_metadata(buf, ids, md, bucket=4)
+    assert buf.slot_mapping.tolist() == [10, PAD_SLOT, PAD_SLOT, PAD_SLOT]
+    assert padded.block_tables.tolist() == [[5, 2], [0, 0], [0, 0], [0, 0]]
+    assert padded.seq_lens.tolist() == [7, 1, 1, 1]
+
+
+def test_only_decode_steps_that_fit_are_padded():
+    buf = StaticDecodeInputs.allocate(2, max_blocks_per_seq=2, device="cpu")
+    md = build_metadata([2], [5], [[1, 2]], 4)
+    with pytest.raises(ValueError, match="decode-only"):
+        padded_decode_metadata(buf, torch.tensor([1, 2]), md, bucket=2)
+    ids, md = _small_step([3, 3, 3], [[1], [2], [3]])
+    with pytest.raises(ValueError, match="do not fit"):
+        padded_decode_metadata(buf, ids, md, bucket=2)
+    ids, md = _small_step([9], [[1, 2, 3]])
+    with pytest.raises(ValueError, match="columns"):
+        padded_decode_metadata(buf, ids, md, bucket=1)
+
+
+def test_dummy_batch_is_all_padding():
+    buf = StaticDecodeInputs.allocate(4, max_blocks_per_seq=3, device="cpu")
+    md = dummy_decode_metadata(buf, 4, block_size=16)
+    assert md.slot_mapping.tolist() == [PAD_SLOT] * 4
+    assert md.seq_lens_cpu == [1, 1, 1, 1]
+    assert md.block_tables.shape == (4, 3)
+    assert md.is_decode_only
+
+
+# ---- the runner ---------------------------------------------------------------------------
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 7, 8])
 def test_padded_decode_equals_unpadded_at_every_bucket_boundary(model, batch):
     run, tokens = _prefilled(model, batch)
@@ -195,11 +273,9 @@ def test_capture_largest_first_and_replay_after_plan_with_flashinfer_hooks(model
 
 
 def test_build_graph_runner_says_no_without_cuda_or_a_graph_safe_backend(model):
-    kw = dict(block_size=4, max_num_seqs=8, max_model_len=64)
-    cpu = torch.device("cpu")
-    on = RuntimeConfig(cuda_graphs=True)
-    assert build_graph_runner(model, fake_backend(), [], on, cpu, **kw) is None
-    off = RuntimeConfig(cuda_graphs=False)
-    assert build_graph_runner(model, fake_backend(), [], off, torch.device("cuda"), **kw) is None
+    kw = dict(sizes=None, block_size=4, max_num_seqs=8, max_model_len=64)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert build_graph_runner(model, fake_backend(), [], cpu, enabled=True, **kw) is None
+    assert build_graph_runner(model, fake_backend(), [], cuda, enabled=False, **kw) is None
     torch_backend = TorchPagedBackend()
-    assert build_graph_runner(model, torch_backend, [], on, torch.device("cuda"), **kw) is None
+    assert build_graph_runner(model, torch_backend, [], cuda, enabled=True, **kw) is None

@@ -9,7 +9,6 @@ belongs to the thread that steps.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -17,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.config import ConfigError, EngineConfig
+from engine.core import admission
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -143,7 +143,10 @@ class LLMEngine:
             params.validate_vocab(self.vocab_size)
         except SamplingParamsError as e:
             raise InvalidRequestError(str(e), e.param) from e
-        max_tokens = self._check_lengths(len(ids), params.max_tokens)
+        kv = self.kv_manager
+        max_tokens = admission.fit_lengths(
+            len(ids), params.max_tokens, self.max_model_len, kv.block_size, kv.num_blocks
+        )
         if params.prompt_logprobs is not None and cache_salt is None:
             # Cached prompt blocks are not recomputed, so they would have no logprobs.
             cache_salt = f"prompt-logprobs:{request_id}"
@@ -193,35 +196,11 @@ class LLMEngine:
             raise InvalidRequestError("prompt must contain at least one token", "prompt")
         return text, ids
 
-    def _check_lengths(self, prompt_len: int, max_tokens: int | None) -> int:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{prompt_len} tokens (at least one token must be left to generate)",
-                "prompt",
-            )
-        if max_tokens is None:
-            max_tokens = limit - prompt_len
-        elif prompt_len + max_tokens > limit:
-            raise InvalidRequestError(
-                f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds this "
-                f"model's maximum context length of {limit} tokens",
-                "max_tokens",
-            )
-        needed = math.ceil((prompt_len + max_tokens) / self.kv_manager.block_size)
-        if needed > self.kv_manager.num_blocks:
-            raise InvalidRequestError(
-                f"prompt plus max_tokens needs {needed} KV blocks but the whole cache has "
-                f"{self.kv_manager.num_blocks}; lower max_tokens",
-                "max_tokens",
-            )
-        return max_tokens
-
     def add_prepared(self, prepared: PreparedRequest) -> None:
-        """Engine thread only. Raises QueueFullError when the waiting queue is full."""
-        if prepared.request_id in self.outputs.groups:
-            raise InvalidRequestError(f"duplicate request id {prepared.request_id!r}", "request_id")
+        """Engine thread only. Raises InvalidRequestError for an id already held and
+        QueueFullError when the waiting queue is full (`engine.core.admission`); a request
+        with n samples is queued whole or not at all."""
+        admission.check_new_id(prepared.request_id, self.outputs.groups)
         added = []
         try:
             for req in prepared.requests:

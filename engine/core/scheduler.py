@@ -36,15 +36,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.core.admission import RequestRejectedError, check_request_fits
+from engine.core import admission
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_queue
 from engine.core.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from engine.core.stop import check_stop
-from engine.errors import InvalidRequestError, QueueFullError
 
-__all__ = ["QueueFullError", "RequestRejectedError", "Scheduler"]
+__all__ = ["Scheduler"]
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
@@ -105,20 +104,21 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queues a request; raises if it is a duplicate, can never run, or the queue is full.
+        """Queues a request; raises if it is a duplicate, can never run, or the queue is full
+        (the checks of `engine.core.admission`).
 
         Sets `request.max_tokens` to the context left when it is None.
         """
-        if request.request_id in self.requests:
-            raise InvalidRequestError(
-                f"request_id: duplicate request id {request.request_id!r}", "request_id"
-            )
+        admission.check_new_id(request.request_id, self.requests)
         kv = self.kv_manager
-        check_request_fits(request, self.max_model_len, kv.block_size, kv.num_blocks)
-        if len(self.waiting) >= self.config.max_queue_len:
-            raise QueueFullError(
-                f"waiting queue is full ({self.config.max_queue_len} requests); retry later"
-            )
+        request.max_tokens = admission.fit_lengths(
+            request.num_prompt_tokens,
+            request.max_tokens,
+            self.max_model_len,
+            kv.block_size,
+            kv.num_blocks,
+        )
+        admission.check_queue_room(len(self.waiting), 1, self.config.max_queue_len)
         request.status = _WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.core.request import RequestStatus
-from engine.core.scheduler import QueueFullError, RequestRejectedError
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, QueueFullError
 from tests.support.scheduler_helpers import (
     SAMPLED,
     block_ids,
@@ -181,7 +180,7 @@ def test_full_prefix_hit_still_computes_the_last_token():
 )
 def test_impossible_requests_are_rejected(prompt, max_tokens, param):
     sched = make_scheduler(num_blocks=4, max_model_len=20)
-    with pytest.raises(RequestRejectedError) as e:
+    with pytest.raises(InvalidRequestError) as e:
         sched.add_request(make_request("r", prompt, max_tokens=max_tokens))
     assert e.value.param == param
     assert isinstance(e.value, InvalidRequestError) and isinstance(e.value, ValueError)

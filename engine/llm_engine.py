@@ -150,20 +150,17 @@ class LLMEngine:
         if params.prompt_logprobs is not None and cache_salt is None:
             # Cached prompt blocks are not recomputed, so they would have no logprobs.
             cache_salt = f"prompt-logprobs:{request_id}"
-        eos = sorted(self.tokenizer.eos_token_ids)
-        primary_eos = eos[0] if eos else None
+        eos = frozenset(self.tokenizer.eos_token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         requests = []
         for i in range(params.n):
             p = params
-            if len(eos) > 1 and not params.ignore_eos:
-                p = replace(p, stop_token_ids=sorted({*p.stop_token_ids, *eos[1:]}))
             if params.n > 1:
                 p = replace(p, n=1, seed=None if params.seed is None else params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             requests.append(
                 Request(
-                    rid, ids, p, eos_token_id=primary_eos, arrival_time=arrival,
+                    rid, ids, p, eos_token_ids=eos, arrival_time=arrival,
                     priority=priority, cache_salt=cache_salt,
                     fork_from=None if i == 0 else requests[0].request_id, max_tokens=max_tokens,
                 )
@@ -239,9 +236,9 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(so, runner_out)
         self._generation_tokens_total += sum(len(t) for t in runner_out.sampled_token_ids)
         touched, stops = self.outputs.process(updated, runner_out)
-        for sample_id, stop in stops:
-            self.scheduler.finish_requests(sample_id, RequestStatus.FINISHED_STOPPED)
-            self.outputs.finalize_stop(sample_id, stop)
+        for sample, stop in stops:
+            self.scheduler.stop_on_string(sample, stop)
+            self.outputs.finalize_stop(sample.request_id)
         results = []
         for gid in touched:
             out = self.outputs.output_for(gid)

@@ -445,6 +445,20 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return done
 
+    def stop_on_string(self, request: Request, stop: str) -> None:
+        """Ends `request` on a stop string the detokenizer found; `stop` is its stop_reason.
+
+        A request still held is finished here. One this step already finished by length, EOS
+        or a stop token is marked stopped by the string instead: the string came first in its
+        text. An aborted or failed request keeps its status.
+        """
+        if not request.is_finished:
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            return
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = stop
+
     def abort(self, request_id: str) -> Request | None:
         """Aborts a request in any state; None if it is unknown or already finished."""
         done = self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)

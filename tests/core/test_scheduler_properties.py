@@ -140,7 +140,7 @@ class Driver:
                     f"{gid}#{j}",
                     prompt,
                     sp,
-                    eos_token_id=EOS,
+                    eos_token_ids=frozenset({EOS}),
                     priority=priority,
                     fork_from=None if j == 0 else f"{gid}#0",
                 )

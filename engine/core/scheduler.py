@@ -401,9 +401,9 @@ class Scheduler:
     def _finish(self, req: Request, now: float, in_batch: bool) -> None:
         """Bookkeeping for a request whose finished status is already set.
 
-        The caller takes it out of `running` / `waiting`. `in_batch`: the runner holds its
-        state (it was running), so the next step reports it in `finished_req_ids`; waiting and
-        preempted requests are not in the batch (a preemption was reported when it happened).
+        The caller takes it out of `running` / `waiting`. `in_batch`: the runner holds state
+        for it (a running request's, or a preempted one's parked seeded generator), so the
+        next step reports it in `finished_req_ids`; a request that never ran is not reported.
         """
         req.times.finished = now
         # Scheduled but its results not in (a failed step, an abort in between): the K/V of
@@ -436,8 +436,9 @@ class Scheduler:
             was_running = req.status is _RUNNING
             if not was_running:
                 queued.append(req)
+            in_batch = was_running or req.status is RequestStatus.PREEMPTED
             req.status = status
-            self._finish(req, now, in_batch=was_running)
+            self._finish(req, now, in_batch=in_batch)
             done.append(req)
         if queued:
             self.waiting.remove(queued)

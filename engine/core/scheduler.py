@@ -282,13 +282,15 @@ class Scheduler:
     def _allocate_new(self, req: Request, budget: int) -> tuple[int, int]:
         """Prefix-cache lookup then slots for the next chunk: (tokens cached, tokens to run).
 
-        Returns n == 0 when the pool can't cover the chunk.
+        Returns n == 0 when the pool can't cover the chunk. Only a lookup that admits the
+        request is counted, so a head of queue blocked for many steps counts once.
         """
         kv = self.kv_manager
         cached_blocks, num_cached = kv.get_computed_blocks(req)
         n = self._cap(req, num_cached, budget)
         if kv.allocate_slots(req, n, cached_blocks or None) is None:
             return num_cached, 0
+        kv.count_prefix_query(req, num_cached)
         return num_cached, n
 
     def _allocate_fork(self, req: Request, leader: Request, budget: int) -> tuple[int, int]:

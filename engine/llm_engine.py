@@ -156,7 +156,14 @@ class LLMEngine:
         for i in range(params.n):
             p = params
             if params.n > 1:
-                p = replace(p, n=1, seed=None if params.seed is None else params.seed + i)
+                # The group's prompt logprobs come from its first sample alone: another one
+                # prefills the prompt itself when the first finished before it could fork.
+                p = replace(
+                    p,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             requests.append(
                 Request(

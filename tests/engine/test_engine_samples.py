@@ -45,3 +45,19 @@ def test_id_reused_after_aborting_a_preempted_seeded_request_samples_afresh(smal
 
     eng.add_request("s", list(range(30, 38)), SEEDED)
     assert _drain(eng)["s"] == reference
+
+
+def test_n2_prompt_logprobs_have_one_entry_per_prompt_token(tiny_llama_dir):
+    """max_tokens=1: the first sample finishes before the second can fork from it, so the
+    second prefills the prompt itself; its prompt logprobs must not be added again."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4, dtype="float32")
+    prompt = list(range(40, 50))
+    one = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    params = SamplingParams(n=2, max_tokens=1, prompt_logprobs=1, temperature=1.0, seed=3)
+    two = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert len(two.outputs) == 2
+    assert len(two.prompt_logprobs) == len(prompt) and two.prompt_logprobs[0] is None
+    assert [lp.token_id for lp in two.prompt_logprobs[1:]] == prompt[1:]
+    assert [lp.logprob for lp in two.prompt_logprobs[1:]] == pytest.approx(
+        [lp.logprob for lp in one[0].prompt_logprobs[1:]], abs=1e-5
+    )

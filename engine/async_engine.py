@@ -46,7 +46,6 @@ from engine.errors import (
     EngineDeadError,
     EngineError,
     InvalidRequestError,
-    QueueFullError,
     RequestFailedError,
 )
 from engine.output.request_output import RequestOutput
@@ -193,8 +192,6 @@ class AsyncEngine:
             prepared = await asyncio.to_thread(self.engine.prepare_request, *args, **kw)
         else:
             prepared = self.engine.prepare_request(*args, **kw)
-        if self._stats.num_waiting + self._pending >= self.config.scheduler.max_queue_len:
-            raise QueueFullError(self._queue_full_message())
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         ack = loop.create_future()
@@ -256,12 +253,6 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
 
-    def _queue_full_message(self) -> str:
-        return (
-            f"the waiting queue is full ({self.config.scheduler.max_queue_len} requests); "
-            "retry later"
-        )
-
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -299,8 +290,6 @@ class AsyncEngine:
             try:
                 if self._dead is not None or self._stopping:
                     raise EngineDeadError("the engine is not running")
-                if self.engine.stats().num_waiting >= self.config.scheduler.max_queue_len:
-                    raise QueueFullError(self._queue_full_message())
                 self.engine.add_prepared(item.prepared)
                 self._streams[item.stream.request_id] = item.stream
             except (InvalidRequestError, EngineError) as e:

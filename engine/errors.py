@@ -10,12 +10,17 @@ class EngineError(RuntimeError):
 class InvalidRequestError(ValueError):
     """A request the engine can never serve as given; `param` names the offending field.
 
-    Frontends answer it with HTTP 400 / gRPC INVALID_ARGUMENT.
+    Every request error takes `(message, param)`. Frontends answer it with HTTP 400 / gRPC
+    INVALID_ARGUMENT.
     """
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt plus output cannot fit the model's context (OpenAI `context_length_exceeded`)."""
 
 
 class QueueFullError(EngineError):

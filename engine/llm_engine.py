@@ -9,7 +9,6 @@ belongs to the thread that steps.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -17,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.config import ConfigError, EngineConfig
+from engine.core import admission
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -139,21 +139,28 @@ class LLMEngine:
             params.validate_vocab(self.vocab_size)
         except SamplingParamsError as e:
             raise InvalidRequestError(str(e), e.param) from e
-        max_tokens = self._check_lengths(len(ids), params.max_tokens)
-        eos = sorted(self.tokenizer.eos_token_ids)
-        primary_eos = eos[0] if eos else None
+        kv = self.kv_manager
+        max_tokens = admission.fit_lengths(
+            len(ids), params.max_tokens, self.max_model_len, kv.block_size, kv.num_blocks
+        )
+        eos = frozenset(self.tokenizer.eos_token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         requests = []
         for i in range(params.n):
             p = params
-            if len(eos) > 1 and not params.ignore_eos:
-                p = replace(p, stop_token_ids=sorted({*p.stop_token_ids, *eos[1:]}))
             if params.n > 1:
-                p = replace(p, n=1, seed=None if params.seed is None else params.seed + i)
+                # The group's prompt logprobs come from its first sample alone: another one
+                # prefills the prompt itself when the first finished before it could fork.
+                p = replace(
+                    p,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             requests.append(
                 Request(
-                    rid, ids, p, eos_token_id=primary_eos, arrival_time=arrival,
+                    rid, ids, p, eos_token_ids=eos, arrival_time=arrival,
                     priority=priority, cache_salt=cache_salt,
                     fork_from=None if i == 0 else requests[0].request_id, max_tokens=max_tokens,
                 )
@@ -186,35 +193,11 @@ class LLMEngine:
             raise InvalidRequestError("prompt must contain at least one token", "prompt")
         return text, ids
 
-    def _check_lengths(self, prompt_len: int, max_tokens: int | None) -> int:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{prompt_len} tokens (at least one token must be left to generate)",
-                "prompt",
-            )
-        if max_tokens is None:
-            max_tokens = limit - prompt_len
-        elif prompt_len + max_tokens > limit:
-            raise InvalidRequestError(
-                f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds this "
-                f"model's maximum context length of {limit} tokens",
-                "max_tokens",
-            )
-        needed = math.ceil((prompt_len + max_tokens) / self.kv_manager.block_size)
-        if needed > self.kv_manager.num_blocks:
-            raise InvalidRequestError(
-                f"prompt plus max_tokens needs {needed} KV blocks but the whole cache has "
-                f"{self.kv_manager.num_blocks}; lower max_tokens",
-                "max_tokens",
-            )
-        return max_tokens
-
     def add_prepared(self, prepared: PreparedRequest) -> None:
-        """Engine thread only. Raises QueueFullError when the waiting queue is full."""
-        if prepared.request_id in self.outputs.groups:
-            raise InvalidRequestError(f"duplicate request id {prepared.request_id!r}", "request_id")
+        """Engine thread only. Raises InvalidRequestError for an id already held and
+        QueueFullError when the waiting queue is full (`engine.core.admission`); a request
+        with n samples is queued whole or not at all."""
+        admission.check_new_id(prepared.request_id, self.outputs.groups)
         added = []
         try:
             for req in prepared.requests:
@@ -253,9 +236,9 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(so, runner_out)
         self._generation_tokens_total += sum(len(t) for t in runner_out.sampled_token_ids)
         touched, stops = self.outputs.process(updated, runner_out)
-        for sample_id, stop in stops:
-            self.scheduler.finish_requests(sample_id, RequestStatus.FINISHED_STOPPED)
-            self.outputs.finalize_stop(sample_id, stop)
+        for sample, stop in stops:
+            self.scheduler.stop_on_string(sample, stop)
+            self.outputs.finalize_stop(sample.request_id)
         results = []
         for gid in touched:
             out = self.outputs.output_for(gid)

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.errors import (
+    ContextLengthError,
     EngineDeadError,
     InvalidRequestError,
     QueueFullError,
@@ -112,10 +113,10 @@ def from_engine_error(e: Exception) -> APIError:
         return e
     if isinstance(e, SamplingParamsError):
         return bad_request(str(e), e.param)
+    if isinstance(e, ContextLengthError):
+        return bad_request(str(e), e.param, "context_length_exceeded")
     if isinstance(e, InvalidRequestError):
-        msg = str(e)
-        code = "context_length_exceeded" if "context length" in msg else "invalid_value"
-        return bad_request(msg, e.param, code)
+        return bad_request(str(e), e.param)
     if isinstance(e, QueueFullError):
         return APIError(429, str(e), RATE_LIMIT, None, "queue_full", {"Retry-After": "1"})
     if isinstance(e, EngineDeadError):

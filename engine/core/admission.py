@@ -1,53 +1,68 @@
-"""Admission checks: refuse at `add_request` a request that no schedule could ever finish."""
+"""Admission: the one place that decides whether a request may be queued.
+
+Every entry point (offline `LLM`, `LLMEngine`, the async engine behind HTTP and gRPC) goes
+through these checks, so a limit and its message are written once:
+
+- `fit_lengths`: the request fits the model's context and, at its longest, the whole KV
+  pool (so with preemption it can always finish, however busy the pool);
+- `check_new_id`: the id is not held already;
+- `check_queue_room`: the waiting queue has room for all of a request's samples.
+"""
 
 from __future__ import annotations
 
-from engine.core.request import Request
-from engine.errors import InvalidRequestError
+from collections.abc import Container
+
+from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
 
 
-class RequestRejectedError(InvalidRequestError):
-    """A request that can never run under this model length or KV pool; `param` names why.
+def fit_lengths(
+    prompt_len: int, max_tokens: int | None, max_model_len: int, block_size: int, num_blocks: int
+) -> int:
+    """The request's effective `max_tokens` (the context left when None), or raises.
 
-    An `InvalidRequestError` (a `ValueError`), so frontends answer it with a 400.
+    K/V is stored for every token but the last sampled one, so at its longest a request
+    holds `ceil((prompt_len + max_tokens - 1) / block_size)` blocks.
     """
-
-    def __init__(self, param: str, reason: str):
-        super().__init__(f"{param}: {reason}", param)
-        self.reason = reason
-
-
-def check_request_fits(
-    request: Request, max_model_len: int, block_size: int, num_blocks: int
-) -> None:
-    """Raises `RequestRejectedError` unless the request fits the model and the whole pool.
-
-    Sets `request.max_tokens` to the context left when it is None. K/V is stored for every
-    token but the last sampled one, so at its longest a request holds
-    `ceil((prompt + max_tokens - 1) / block_size)` blocks; with preemption it can always get
-    them, however busy the pool.
-    """
-    limit, prompt_len = max_model_len, request.num_prompt_tokens
-    if prompt_len > limit - 1:
-        raise RequestRejectedError(
+    limit = max_model_len
+    if prompt_len >= limit:
+        raise ContextLengthError(
+            f"This model's maximum context length is {limit} tokens, but the prompt has "
+            f"{prompt_len} tokens (at least one token must be left to generate)",
             "prompt",
-            f"the prompt has {prompt_len} tokens but the model's context is {limit}, "
-            "leaving no room for an output token",
         )
-    if request.max_tokens is None:
-        request.max_tokens = limit - prompt_len
-    if prompt_len + request.max_tokens > limit:
-        raise RequestRejectedError(
+    if max_tokens is None:
+        max_tokens = limit - prompt_len
+    elif prompt_len + max_tokens > limit:
+        raise ContextLengthError(
+            f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds this "
+            f"model's maximum context length of {limit} tokens",
             "max_tokens",
-            f"max_tokens={request.max_tokens} plus the prompt's {prompt_len} tokens "
-            f"exceeds the model's context of {limit}",
         )
-    if -(-prompt_len // block_size) > num_blocks:
-        raise RequestRejectedError(
-            "prompt", f"the prompt needs more than the KV cache's {num_blocks} blocks"
+    prompt_blocks = -(-prompt_len // block_size)
+    if prompt_blocks > num_blocks:
+        raise InvalidRequestError(
+            f"the prompt's {prompt_len} tokens need {prompt_blocks} KV blocks but the whole "
+            f"cache has {num_blocks}",
+            "prompt",
         )
-    if -(-(prompt_len + request.max_tokens - 1) // block_size) > num_blocks:
-        raise RequestRejectedError(
+    needed = -(-(prompt_len + max_tokens - 1) // block_size)
+    if needed > num_blocks:
+        raise InvalidRequestError(
+            f"prompt plus max_tokens needs {needed} KV blocks but the whole cache has "
+            f"{num_blocks}; lower max_tokens",
             "max_tokens",
-            f"prompt plus max_tokens needs more than the KV cache's {num_blocks} blocks",
         )
+    return max_tokens
+
+
+def check_new_id(request_id: str, held: Container[str]) -> None:
+    """Raises unless `request_id` is free (clients may choose ids, e.g. over gRPC)."""
+    if request_id in held:
+        raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
+
+
+def check_queue_room(num_waiting: int, num_new: int, max_queue_len: int) -> None:
+    """Raises `QueueFullError` unless `num_new` more requests fit the waiting queue."""
+    if num_waiting + num_new > max_queue_len:
+        raise QueueFullError(f"the waiting queue is full ({max_queue_len} requests); retry later")

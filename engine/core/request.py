@@ -62,7 +62,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -74,7 +74,9 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        # The model's EOS ids (tokenizer's and generation config's): any of them ends the
+        # request with stop_reason None unless `ignore_eos`.
+        self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.cache_salt = cache_salt
         self.fork_from = fork_from

@@ -36,15 +36,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.core.admission import RequestRejectedError, check_request_fits
+from engine.core import admission
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_queue
 from engine.core.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from engine.core.stop import check_stop
-from engine.errors import InvalidRequestError, QueueFullError
 
-__all__ = ["QueueFullError", "RequestRejectedError", "Scheduler"]
+__all__ = ["Scheduler"]
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
@@ -105,20 +104,21 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queues a request; raises if it is a duplicate, can never run, or the queue is full.
+        """Queues a request; raises if it is a duplicate, can never run, or the queue is full
+        (the checks of `engine.core.admission`).
 
         Sets `request.max_tokens` to the context left when it is None.
         """
-        if request.request_id in self.requests:
-            raise InvalidRequestError(
-                f"request_id: duplicate request id {request.request_id!r}", "request_id"
-            )
+        admission.check_new_id(request.request_id, self.requests)
         kv = self.kv_manager
-        check_request_fits(request, self.max_model_len, kv.block_size, kv.num_blocks)
-        if len(self.waiting) >= self.config.max_queue_len:
-            raise QueueFullError(
-                f"waiting queue is full ({self.config.max_queue_len} requests); retry later"
-            )
+        request.max_tokens = admission.fit_lengths(
+            request.num_prompt_tokens,
+            request.max_tokens,
+            self.max_model_len,
+            kv.block_size,
+            kv.num_blocks,
+        )
+        admission.check_queue_room(len(self.waiting), 1, self.config.max_queue_len)
         request.status = _WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -282,13 +282,15 @@ class Scheduler:
     def _allocate_new(self, req: Request, budget: int) -> tuple[int, int]:
         """Prefix-cache lookup then slots for the next chunk: (tokens cached, tokens to run).
 
-        Returns n == 0 when the pool can't cover the chunk.
+        Returns n == 0 when the pool can't cover the chunk. Only a lookup that admits the
+        request is counted, so a head of queue blocked for many steps counts once.
         """
         kv = self.kv_manager
         cached_blocks, num_cached = kv.get_computed_blocks(req)
         n = self._cap(req, num_cached, budget)
         if kv.allocate_slots(req, n, cached_blocks or None) is None:
             return num_cached, 0
+        kv.count_prefix_query(req, num_cached)
         return num_cached, n
 
     def _allocate_fork(self, req: Request, leader: Request, budget: int) -> tuple[int, int]:
@@ -406,9 +408,9 @@ class Scheduler:
     def _finish(self, req: Request, now: float, in_batch: bool) -> None:
         """Bookkeeping for a request whose finished status is already set.
 
-        The caller takes it out of `running` / `waiting`. `in_batch`: the runner holds its
-        state (it was running), so the next step reports it in `finished_req_ids`; waiting and
-        preempted requests are not in the batch (a preemption was reported when it happened).
+        The caller takes it out of `running` / `waiting`. `in_batch`: the runner holds state
+        for it (a running request's, or a preempted one's parked seeded generator), so the
+        next step reports it in `finished_req_ids`; a request that never ran is not reported.
         """
         req.times.finished = now
         # Scheduled but its results not in (a failed step, an abort in between): the K/V of
@@ -441,14 +443,29 @@ class Scheduler:
             was_running = req.status is _RUNNING
             if not was_running:
                 queued.append(req)
+            in_batch = was_running or req.status is RequestStatus.PREEMPTED
             req.status = status
-            self._finish(req, now, in_batch=was_running)
+            self._finish(req, now, in_batch=in_batch)
             done.append(req)
         if queued:
             self.waiting.remove(queued)
         if len(queued) < len(done):
             self.running = [r for r in self.running if r.status is _RUNNING]
         return done
+
+    def stop_on_string(self, request: Request, stop: str) -> None:
+        """Ends `request` on a stop string the detokenizer found; `stop` is its stop_reason.
+
+        A request still held is finished here. One this step already finished by length, EOS
+        or a stop token is marked stopped by the string instead: the string came first in its
+        text. An aborted or failed request keeps its status.
+        """
+        if not request.is_finished:
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            return
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = stop
 
     def abort(self, request_id: str) -> Request | None:
         """Aborts a request in any state; None if it is unknown or already finished."""

@@ -9,14 +9,14 @@ from engine.core.request import Request, RequestStatus
 def check_stop(request: Request, token: int, max_model_len: int) -> bool:
     """Sets a finished status and returns True if `token`, just appended, ends the request.
 
-    In order: EOS (unless `ignore_eos`) and `stop_token_ids`, both only once `min_tokens`
+    In order: any of the request's EOS ids (unless `ignore_eos`) and `stop_token_ids`, both only once `min_tokens`
     outputs exist, then the length caps (`max_tokens`, `max_model_len`). EOS leaves
     `stop_reason` None; a stop token id becomes the `stop_reason`.
     """
     sp = request.sampling_params
     num_out = len(request.output_token_ids)
     if num_out >= sp.min_tokens:
-        if token == request.eos_token_id and not sp.ignore_eos:
+        if token in request.eos_token_ids and not sp.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = None
             return True

@@ -139,10 +139,12 @@ class OutputProcessor:
 
     def process(
         self, updated: list[Request], runner_output: RunnerOutput
-    ) -> tuple[list[str], list[tuple[str, str]]]:
-        """Returns the ids of groups that progressed and (sample id, stop string) pairs whose
-        stop strings matched in still-running samples: the caller finishes those in the
-        scheduler, then calls `finalize_stop` for each, then `output_for` per group."""
+    ) -> tuple[list[str], list[tuple[Request, str]]]:
+        """Returns the ids of groups that progressed and the stop strings the detokenizer
+        found, as (sample request, stop string) pairs. This module never writes a request's
+        status: the caller reports each stop string to the scheduler
+        (`Scheduler.stop_on_string`), then calls `finalize_stop` for each, then `output_for`
+        per group."""
         step_lp: dict[str, TokenLogprobs | None] = {}
         if runner_output.logprobs is not None:
             step_lp = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
@@ -154,7 +156,7 @@ class OutputProcessor:
                 group.prompt_logprobs[chunk.first : end] = chunk.logprobs
 
         touched: dict[str, RequestGroup] = {}
-        stops: list[tuple[str, str]] = []
+        stops: list[tuple[Request, str]] = []
         for req in updated:
             parent = self.parent_of.get(req.request_id)
             if parent is None:
@@ -171,30 +173,27 @@ class OutputProcessor:
             if new_tokens and _ends_on_stop_token(req):
                 # Like vLLM: EOS / stop-token ids end the text without adding their own.
                 new_tokens = new_tokens[:-1]
-            stop = sample.detokenizer.update(new_tokens) if new_tokens else None
-            if stop is not None and not req.is_finished:
-                stops.append((req.request_id, stop))
+            detok = sample.detokenizer
+            stop = detok.update(new_tokens) if new_tokens else None
+            if stop is None and req.is_finished and not detok.finished:
+                stop = detok.flush()  # text held back at the end may complete a stop string
+            if stop is not None:
+                stops.append((req, stop))
             else:
-                if stop is not None:  # finished by length on the very token that matched
-                    req.status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = stop
                 self._drain_text(sample)
             touched[parent] = group
         return list(touched), stops
 
-    def finalize_stop(self, sample_id: str, stop: str) -> None:
+    def finalize_stop(self, sample_id: str) -> None:
+        """Takes the text of a sample the scheduler has stopped on a stop string."""
         group = self.groups[self.parent_of[sample_id]]
         sample = next(s for s in group.samples if s.request.request_id == sample_id)
-        sample.request.stop_reason = stop
         self._drain_text(sample)
 
     def _drain_text(self, sample: SampleState) -> None:
+        """Moves new text into `sample.text`; a finished sample's detokenizer is flushed
+        (by `process`, or by its stop string)."""
         if sample.request.is_finished:
-            if not sample.detokenizer.finished:
-                late_stop = sample.detokenizer.flush()
-                if late_stop is not None and sample.request.stop_reason is None:
-                    sample.request.status = RequestStatus.FINISHED_STOPPED
-                    sample.request.stop_reason = late_stop
             sample.text = sample.detokenizer.output_text
         else:
             sample.text += sample.detokenizer.get_delta()

@@ -29,14 +29,6 @@ class CachedRequestState:
     generator: torch.Generator | None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
 
 @dataclass
 class StepInputs:

@@ -161,18 +161,7 @@ class ModelRunner:
             return out
         rows_t = torch.tensor(inputs.sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows_t])
-        rows = []
-        for rid in inputs.sample_req_ids:
-            st = self.states[rid]
-            rows.append(
-                SamplingRow(
-                    st.params,
-                    st.prompt_token_ids,
-                    st.output_token_ids,
-                    st.generator,
-                    () if st.params.ignore_eos else self.eos_token_ids,
-                )
-            )
+        rows = [self._sampling_row(self.states[rid]) for rid in inputs.sample_req_ids]
         sampled = self.sampler(logits, rows)
         for rid, tok in zip(inputs.sample_req_ids, sampled.token_ids, strict=True):
             self.states[rid].token_ids.append(tok)
@@ -181,6 +170,19 @@ class ModelRunner:
         if any(lp is not None for lp in sampled.logprobs):
             out.logprobs = sampled.logprobs
         return out
+
+    def _sampling_row(self, st: CachedRequestState) -> SamplingRow:
+        """The sampler's view of one request: its token ids (the state's own list, not a
+        copy) only when a penalty reads them."""
+        params = st.params
+        return SamplingRow(
+            params,
+            st.token_ids if params.needs_penalties else (),
+            st.num_prompt_tokens,
+            len(st.token_ids) - st.num_prompt_tokens,
+            st.generator,
+            () if params.ignore_eos else self.eos_token_ids,
+        )
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, out: RunnerOutput):
         for rid, row0, pos0, count in inputs.prompt_logprob_spans:

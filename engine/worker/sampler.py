@@ -36,9 +36,12 @@ class SamplingRow:
     """One row of the logits matrix: what the sampler needs to know about its request."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    # Generated so far (for penalties and min_tokens).
-    output_token_ids: list[int]
+    # Prompt then output token ids, read only by penalties: the runner passes its own list
+    # (no copy) when `params.needs_penalties`, else nothing, so a step costs no O(length).
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    # Generated so far (for min_tokens); always set.
+    num_output_tokens: int
     # Per-request generator, from `make_generator(params.seed, device)`; None when unseeded.
     generator: torch.Generator | None = None
     # EOS ids suppressed (with params.stop_token_ids) while fewer than params.min_tokens
@@ -117,7 +120,7 @@ def compute_prompt_logprobs(
 
 def _suppresses_stop_tokens(row: SamplingRow) -> bool:
     p = row.params
-    return len(row.output_token_ids) < p.min_tokens and bool(p.stop_token_ids or row.eos_token_ids)
+    return row.num_output_tokens < p.min_tokens and bool(p.stop_token_ids or row.eos_token_ids)
 
 
 def _edits_logits(row: SamplingRow) -> bool:
@@ -260,8 +263,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     # transformed value writes the same number, and only the frequency term accumulates.
     rep_rows = [i for i in pen if rows[i].params.repetition_penalty != 1.0]
     if rep_rows:
-        seen = [rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep_rows]
-        r, c = _flat_index(rep_rows, seen, device)
+        r, c = _flat_index(rep_rows, [rows[i].token_ids for i in rep_rows], device)
         rep = _per_row(rows, "repetition_penalty", dtype, device)[r]
         vals = logits[r, c]
         logits[r, c] = torch.where(vals > 0, vals / rep, vals * rep)
@@ -270,7 +272,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         i for i in pen if rows[i].params.frequency_penalty or rows[i].params.presence_penalty
     ]
     if out_rows:
-        r, c = _flat_index(out_rows, [rows[i].output_token_ids for i in out_rows], device)
+        outputs = [rows[i].token_ids[rows[i].num_prompt_tokens :] for i in out_rows]
+        r, c = _flat_index(out_rows, outputs, device)
         logits[r, c] = logits[r, c] - _per_row(rows, "presence_penalty", dtype, device)[r]
         freq = _per_row(rows, "frequency_penalty", dtype, device)[r]
         logits.index_put_((r, c), -freq, accumulate=True)

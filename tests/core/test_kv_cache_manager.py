@@ -29,6 +29,7 @@ def schedule(m: KVCacheManager, req: Request, num_new_tokens: int | None = None)
     new = m.allocate_slots(req, n, hit_ids)
     if new is not None:
         req.num_computed_tokens = hit_tokens + n
+        m.count_prefix_query(req, hit_tokens)
     return hit_ids, new
 
 
@@ -72,7 +73,9 @@ def test_second_request_hits_the_shared_two_block_prefix():
     schedule(m, a)
     b = make_request("b", [*range(8), 50, 51, 52])
     assert m.get_computed_blocks(b) == ([0, 1], 8)
+    assert m.get_computed_blocks(b) == ([0, 1], 8)  # a lookup alone counts nothing
     assert m.allocate_slots(b, 3, [0, 1]) == [3]
+    m.count_prefix_query(b, 8)
     b.num_computed_tokens = 11
     assert m.get_block_ids("b") == [0, 1, 3]
     assert refs(m, [0, 1, 2, 3]) == [2, 2, 1, 1]

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.core.request import RequestStatus
-from engine.core.scheduler import QueueFullError, RequestRejectedError
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, QueueFullError
 from tests.support.scheduler_helpers import (
     SAMPLED,
     block_ids,
@@ -167,6 +166,25 @@ def test_full_prefix_hit_still_computes_the_last_token():
     assert b.num_cached_tokens == 4
 
 
+def test_prefix_query_of_a_blocked_head_of_queue_counts_once():
+    """The hit rate must not read low under memory pressure: a request the pool can't admit
+    yet is looked up every step, but only the lookup that admits it is counted."""
+    sched = make_scheduler(num_blocks=4)
+    a = make_request("a", list(range(100, 112)), max_tokens=5)  # 3 blocks, then a 4th
+    sched.add_request(a)
+    step(sched)
+    b = make_request("b", list(range(100, 104)) + [500, 501, 502, 503], max_tokens=1)
+    sched.add_request(b)
+    blocked_steps = 0
+    while b.status is RequestStatus.WAITING:
+        step(sched)
+        blocked_steps += 1
+    assert blocked_steps > 2 and a.status is RequestStatus.FINISHED_LENGTH
+    stats = sched.kv_manager.stats()
+    assert (stats.prefix_queries, stats.prefix_hits) == (12 + 8, 4)
+    assert b.num_cached_tokens == 4
+
+
 # ---- admission ----------------------------------------------------------------------------
 
 
@@ -181,7 +199,7 @@ def test_full_prefix_hit_still_computes_the_last_token():
 )
 def test_impossible_requests_are_rejected(prompt, max_tokens, param):
     sched = make_scheduler(num_blocks=4, max_model_len=20)
-    with pytest.raises(RequestRejectedError) as e:
+    with pytest.raises(InvalidRequestError) as e:
         sched.add_request(make_request("r", prompt, max_tokens=max_tokens))
     assert e.value.param == param
     assert isinstance(e.value, InvalidRequestError) and isinstance(e.value, ValueError)

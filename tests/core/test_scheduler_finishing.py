@@ -123,12 +123,23 @@ def test_abort_running_request_frees_blocks_and_drops_late_tokens():
     assert sched.schedule().finished_req_ids == {"r"}
 
 
-def test_abort_preempted_request():
+def test_abort_preempted_request_is_reported_to_the_runner():
+    """The runner parks a preempted request's seeded generator; an abort while it waits
+    must reach the runner, or the generator leaks to a later request reusing the id."""
     sched, a, b = two_full_requests()
-    step(sched)  # b preempted (reported then)
+    so, _ = step(sched)
+    assert so.preempted_req_ids == {"b"}
     assert sched.abort("b") is b
     assert sched.num_waiting == 0 and b.status is RequestStatus.FINISHED_ABORTED
     assert sched.kv_manager.get_block_ids("b") == []
+    so = sched.schedule()
+    assert so.finished_req_ids == {"b"} and so.preempted_req_ids == set()
+
+
+def test_abort_of_a_request_that_never_ran_is_not_reported():
+    sched = make_scheduler()
+    sched.add_request(make_request("w", 4))
+    sched.abort("w")
     assert sched.schedule().finished_req_ids == set()
 
 

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from engine.config import SchedulerConfig
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import QueueFullError, RequestRejectedError, Scheduler
+from engine.core.scheduler import Scheduler
 from engine.core.step_io import RunnerOutput, SchedulerOutput
+from engine.errors import InvalidRequestError, QueueFullError
 from engine.sampling_params import SamplingParams
 
 EOS, STOP, PLAIN = 2, 3, 7
@@ -139,7 +140,7 @@ class Driver:
                     f"{gid}#{j}",
                     prompt,
                     sp,
-                    eos_token_id=EOS,
+                    eos_token_ids=frozenset({EOS}),
                     priority=priority,
                     fork_from=None if j == 0 else f"{gid}#0",
                 )
@@ -149,7 +150,7 @@ class Driver:
             for req in group:
                 self.sched.add_request(req)
                 done.append(req)
-        except (RequestRejectedError, QueueFullError):
+        except (InvalidRequestError, QueueFullError):
             for req in done:
                 self.sched.abort(req.request_id)
         self.added.extend(done)

@@ -40,7 +40,7 @@ def make_request(
         request_id,
         prompt,
         sp,
-        eos_token_id=eos,
+        eos_token_ids=frozenset() if eos is None else frozenset({eos}),
         arrival_time=arrival,
         priority=priority,
         fork_from=fork_from,

@@ -27,7 +27,9 @@ def row(
     **params,
 ) -> SamplingRow:
     p = SamplingParams(**params)
-    return SamplingRow(p, prompt or [0], list(output or []), make_generator(p.seed, "cpu"), eos)
+    prompt, output = prompt or [0], list(output or [])
+    gen = make_generator(p.seed, "cpu")
+    return SamplingRow(p, [*prompt, *output], len(prompt), len(output), gen, eos)
 
 
 def logits_of(probs: list[float], n: int = 1) -> torch.Tensor:
@@ -178,7 +180,8 @@ def _seeded_run(seed: int, neighbours: list[SamplingRow], position: int, steps: 
         logits = torch.randn(len(rows), 200) * 2
         logits[position] = base[0]
         tok = sample(logits, rows)[position]
-        me.output_token_ids.append(tok)
+        me.token_ids.append(tok)
+        me.num_output_tokens += 1
         tokens.append(tok)
     return tokens
 

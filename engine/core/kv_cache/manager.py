@@ -47,8 +47,8 @@ class KVCacheStats:
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
-    prefix_queries: int  # tokens looked up by get_computed_blocks
-    prefix_hits: int  # tokens found cached
+    prefix_queries: int  # tokens looked up by the lookups that admitted a request
+    prefix_hits: int  # tokens those lookups found cached
     evictions: int  # cached blocks whose hash was dropped on reuse
     usage: float  # fraction of blocks with ref_cnt > 0
 
@@ -99,9 +99,10 @@ class KVCacheManager:
         output: a preempted request recomputes both), always leaving >= 1 token to compute
         so the step samples. Returns (block ids, their token count). Takes no references:
         pass the ids to `allocate_slots` right away, before anything else allocates.
-        Counts a query of ``request.num_tokens`` tokens and a hit of the returned count.
-        ``([], 0)``, counting nothing, when prefix caching is off or the request
-        `skips_prefix_cache_reads` (it still registers its own full blocks for others).
+        Counts nothing: a lookup whose allocation fails is repeated next step, so the
+        scheduler counts the one that admits the request (`count_prefix_query`).
+        ``([], 0)`` when prefix caching is off or the request `skips_prefix_cache_reads`
+        (it still registers its own full blocks for others).
         """
         if not self.enable_prefix_caching or request.skips_prefix_cache_reads:
             return [], 0
@@ -115,10 +116,15 @@ class KVCacheManager:
             if block is None:
                 break
             ids.append(block.block_id)
-        num_tokens = len(ids) * self.block_size
-        self._prefix_queries += request.num_tokens
-        self._prefix_hits += num_tokens
-        return ids, num_tokens
+        return ids, len(ids) * self.block_size
+
+    def count_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Counts the lookup that admitted `request`: a query of its `num_tokens` tokens, a
+        hit of `num_hit_tokens` (the prefix cache hit rate is hits / queries). A request
+        that `skips_prefix_cache_reads` made no lookup and counts nothing."""
+        if self.enable_prefix_caching and not request.skips_prefix_cache_reads:
+            self._prefix_queries += request.num_tokens
+            self._prefix_hits += num_hit_tokens
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] for an unknown id)."""

@@ -157,6 +157,28 @@ def test_fork_then_child_write_into_shared_partial_block_copies_on_write():
     assert m.num_free_blocks == 10
 
 
+def test_child_alone_in_a_block_its_freed_parent_filled_takes_it_out_of_the_cache():
+    # The child shares the first 2 tokens of a block the parent then filled and
+    # registered; the parent leaves. Writing the child's 3rd token in place would change
+    # the block's contents under its hash, and a later prompt equal to the parent's would
+    # read the child's token as its own (found by the KV property test).
+    m = KVCacheManager(2, BS)
+    p = make_request("p", [0, 0, 0, 0])
+    assert schedule(m, p) == ([], [0])
+    c = make_request("c", [0, 0])
+    assert m.fork(p, c, 2) == [0]
+    c.num_computed_tokens = 2
+    m.free(p)
+    assert refs(m, [0]) == [1]
+    assert decode(m, c, 1) == []  # in place: nobody else holds block 0
+    assert m.take_block_copies() == []
+    q = make_request("q", [0, 0, 0, 0, 5])
+    hit_ids, _ = m.get_computed_blocks(q)
+    assert hit_ids == []  # block 0 now holds [0, 0, 1, ...]: no longer a hit
+    m.free(c)
+    assert m.num_free_blocks == 2
+
+
 def test_fork_at_a_block_boundary_needs_no_copy():
     m = KVCacheManager(10, BS)
     p = make_request("p", range(8))

@@ -8,7 +8,7 @@ to two owners all show up as a wrong token in a slot.
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.core.kv_cache import KVCacheManager
@@ -143,6 +143,15 @@ class Sim:
                 assert slot == req.all_token_ids[pos], (req, pos)
 
 
+# Found by this test: a forked child left alone in a block its parent filled and
+# registered wrote into it in place, so a later prompt hit the child's token.
+_ADD, _STEP = ("add", 0, 1, 0, [0]), ("step", 0, 1, 0, [0])
+_FORK_FREE_WRITE = (
+    [_ADD] * 3 + [_STEP] * 4 + [("fork", 0, 1, 1, [0])] + [_ADD] * 7
+    + [_STEP, ("preempt", 0, 1, 0, [0]), ("step", 146, 1, 0, [0]), _ADD, _STEP]
+)  # fmt: skip
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     num_blocks=st.integers(1, 12),
@@ -150,6 +159,7 @@ class Sim:
     caching=st.booleans(),
     ops=st.lists(OPS, min_size=20, max_size=80),
 )
+@example(num_blocks=2, block_size=4, caching=True, ops=_FORK_FREE_WRITE)
 def test_random_schedules_keep_refs_queue_cache_and_contents_consistent(
     num_blocks, block_size, caching, ops
 ):

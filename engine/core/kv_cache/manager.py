@@ -159,7 +159,12 @@ class KVCacheManager:
             start = request.num_computed_tokens
             end = start + num_new_tokens
             first = start // bs
-            if end <= (first + 1) * bs and first < len(blocks) and blocks[first].ref_cnt == 1:
+            if (
+                end <= (first + 1) * bs
+                and first < len(blocks)
+                and blocks[first].ref_cnt == 1
+                and blocks[first].block_hash is None
+            ):
                 if self.enable_prefix_caching and end // bs > st.num_cached:
                     num_full = min(end, len(request.all_token_ids)) // bs
                     if num_full > st.num_cached:
@@ -184,13 +189,21 @@ class KVCacheManager:
         num_have = len(blocks) + len(hit_blocks)
         num_new = num_required - num_have if num_required > num_have else 0
 
-        # Existing blocks in the write range that another table shares: copy-on-write.
+        # Existing blocks in the write range that another table shares: copy-on-write. One
+        # that only this table holds but that is registered (a forked child's share of a
+        # block its parent filled, then freed) holds cached contents the write would
+        # change under the hash: it leaves the cache instead.
         cow: list[int] | None = None
+        uncache: list[KVBlock] | None = None
         for i in range(start // bs, min(len(blocks), num_required)):
             if blocks[i].ref_cnt > 1:
                 if cow is None:
                     cow = []
                 cow.append(i)
+            elif blocks[i].block_hash is not None:
+                if uncache is None:
+                    uncache = []
+                uncache.append(blocks[i])
 
         num_needed = num_new + num_evictable_hits + (len(cow) if cow else 0)
         if num_needed > pool.free_queue.num_free:
@@ -202,6 +215,9 @@ class KVCacheManager:
             st.num_cached = st.num_trusted = len(hit_blocks)
         if cow:
             self._copy_on_write(request.request_id, blocks, cow)
+        if uncache:
+            for block in uncache:
+                pool.uncache_block(block)
         new_ids: list[int] = []
         if num_new:
             new_blocks = pool.get_new_blocks(num_new)

@@ -21,8 +21,7 @@ def fit_lengths(
 ) -> int:
     """The request's effective `max_tokens` (the context left when None), or raises.
 
-    K/V is stored for every token but the last sampled one, so at its longest a request
-    holds `ceil((prompt_len + max_tokens - 1) / block_size)` blocks.
+    At its longest a request holds `kv_blocks_for(stored_tokens(...))` blocks.
     """
     limit = max_model_len
     if prompt_len >= limit:
@@ -39,14 +38,13 @@ def fit_lengths(
             f"model's maximum context length of {limit} tokens",
             "max_tokens",
         )
-    prompt_blocks = -(-prompt_len // block_size)
-    if prompt_blocks > num_blocks:
+    if kv_blocks_for(prompt_len, block_size) > num_blocks:
         raise InvalidRequestError(
-            f"the prompt's {prompt_len} tokens need {prompt_blocks} KV blocks but the whole "
-            f"cache has {num_blocks}",
+            f"the prompt's {prompt_len} tokens need {kv_blocks_for(prompt_len, block_size)} KV "
+            f"blocks but the whole cache has {num_blocks}",
             "prompt",
         )
-    needed = -(-(prompt_len + max_tokens - 1) // block_size)
+    needed = kv_blocks_for(stored_tokens(prompt_len, max_tokens), block_size)
     if needed > num_blocks:
         raise InvalidRequestError(
             f"prompt plus max_tokens needs {needed} KV blocks but the whole cache has "
@@ -54,6 +52,18 @@ def fit_lengths(
             "max_tokens",
         )
     return max_tokens
+
+
+def stored_tokens(prompt_len: int, max_tokens: int) -> int:
+    """Tokens whose K/V a request holds at its longest: the prompt's, and every sampled
+    token's but the last (it is returned, never fed back)."""
+    return max(prompt_len, prompt_len + max_tokens - 1)
+
+
+def kv_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens' K/V: the KV-fit rule of admission and of the
+    start-up check that one `max_model_len` request fits the pool."""
+    return -(-num_tokens // block_size)
 
 
 def check_new_id(request_id: str, held: Container[str]) -> None:

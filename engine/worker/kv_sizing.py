@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import CacheConfig, ConfigError, SchedulerConfig
+from engine.core.admission import kv_blocks_for, stored_tokens
 from engine.core.step_io import NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
 
@@ -80,7 +81,7 @@ def size_gpu_kv_cache(
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the CUDA context, and anything outside PyTorch
     num_blocks = num_blocks_for_gpu(cache, geom, total, used, peak + GRAPH_RESERVE_BYTES)
-    need = math.ceil(max_model_len / geom.block_size)
+    need = kv_blocks_for(stored_tokens(max_model_len - 1, 1), geom.block_size)
     if num_blocks < need:
         raise ConfigError(
             "cache.memory_fraction",

@@ -25,7 +25,7 @@ from engine.errors import InvalidRequestError
 from engine.output.processor import OutputProcessor
 from engine.output.request_output import RequestOutput
 from engine.output.tokenizer import Tokenizer
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams
 from engine.worker.kv_sizing import KVGeometry, num_blocks_for_cpu, size_gpu_kv_cache
 from engine.worker.models.loader import load_model
 from engine.worker.runner import ModelRunner
@@ -135,10 +135,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"n must be at most {self.config.scheduler.max_n}, got {params.n}", "n"
             )
-        try:
-            params.validate_vocab(self.vocab_size)
-        except SamplingParamsError as e:
-            raise InvalidRequestError(str(e), e.param) from e
+        params.validate_vocab(self.vocab_size)  # SamplingParamsError is an InvalidRequestError
         kv = self.kv_manager
         max_tokens = admission.fit_lengths(
             len(ids), params.max_tokens, self.max_model_len, kv.block_size, kv.num_blocks

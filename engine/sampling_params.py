@@ -8,21 +8,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequestError
+
 _GREEDY_EPS = 1e-5
 
 
-class SamplingParamsError(ValueError):
-    """An invalid sampling field; `param` names it."""
+class SamplingParamsError(InvalidRequestError):
+    """An invalid sampling field: `reason` says what is wrong, `param` names the field.
 
-    def __init__(self, param: str, reason: str):
-        super().__init__(f"{param}: {reason}")
-        self.param = param
+    The message is "param: reason"; frontends that name fields by another path (gRPC's
+    proto fields) use `reason` with their own name for `param`.
+    """
+
+    def __init__(self, reason: str, param: str):
+        super().__init__(f"{param}: {reason}", param)
         self.reason = reason
 
 
 def _check(cond: bool, param: str, reason: str) -> None:
     if not cond:
-        raise SamplingParamsError(param, reason)
+        raise SamplingParamsError(reason, param)
 
 
 @dataclass
@@ -61,7 +66,7 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
                 raise SamplingParamsError(
-                    "logit_bias", "keys must be token ids and values numbers"
+                    "keys must be token ids and values numbers", "logit_bias"
                 ) from e
         self._validate()
 

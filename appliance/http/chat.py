@@ -193,6 +193,7 @@ async def _stream(
             ]
         )  # fmt: skip
         async for _, delta in merged(streams):
+            w.took(delta)
             choices = []
             for c in delta.outputs:
                 lps = None
@@ -210,7 +211,7 @@ async def _stream(
                         )
                     )
             if choices:
-                yield w.chunk(choices, sum(len(c.token_ids) for c in delta.outputs))
+                yield w.chunk(choices)
         final = streams[0].output()
         if w.include_usage:
             yield w.usage(convert.usage([final]))

@@ -116,6 +116,7 @@ async def _stream(
                 ]
             )
         async for p, delta in merged(streams):
+            w.took(delta)
             choices = []
             for c in delta.outputs:
                 idx = p * req.n + c.index
@@ -137,7 +138,7 @@ async def _stream(
                         )
                     )
             if choices:
-                yield w.chunk(choices, sum(len(c.token_ids) for c in delta.outputs))
+                yield w.chunk(choices)
         finals = [s.output() for s in streams]
         if w.include_usage:
             yield w.usage(convert.usage(finals))

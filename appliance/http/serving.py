@@ -350,7 +350,7 @@ class ChunkWriter:
             stream_options and stream_options.continuous_usage_stats
         )
         self._streams = streams
-        self._completion_tokens = 0  # in the chunks written so far
+        self._completion_tokens = 0  # in the deltas taken so far
         self._chars: dict[int, int] = {}
 
     def text_offset(self, index: int, text: str) -> int:
@@ -365,10 +365,12 @@ class ChunkWriter:
             object=obj, id=self.rid, created=self.created, model=self.model, choices=choices, **kw
         )
 
-    def chunk(self, choices: list, num_tokens: int = 0) -> str:
-        """One chunk of `choices`, which add `num_tokens` completion tokens."""
+    def took(self, delta: RequestDelta) -> None:
+        """Counts a delta's tokens into the usage so far (tokens with no text yet too)."""
+        self._completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+
+    def chunk(self, choices: list) -> str:
         body = self._body(choices)
-        self._completion_tokens += num_tokens
         if self.continuous_usage:
             body.usage = self._usage_so_far()
         elif self.include_usage:

@@ -84,7 +84,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     log_event(logger, "starting", config=args.config or os.environ.get("APPLIANCE_CONFIG"))
     t0 = time.perf_counter()
-    aeng = AsyncEngine.from_config(cfg.engine_config(), step_timeout_s=cfg.server.step_timeout_s)
+    aeng = AsyncEngine.from_config(
+        cfg.engine_config(),
+        step_timeout_s=cfg.server.step_timeout_s,
+        offload_prompt_chars=cfg.server.offload_prompt_chars,
+    )
     stats = aeng.stats()
     log_event(
         logger,
@@ -166,15 +170,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     engine.add_request("generate-0", prompt, params)
-    sent = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[sent:])
-            sys.stdout.flush()
-            sent = len(text)
-            if out.error:
-                raise RuntimeError(out.error)
+        for delta in engine.step():  # only what is new: write it as it comes
+            if delta.outputs:
+                sys.stdout.write(delta.outputs[0].text)
+                sys.stdout.flush()
+            if delta.error:
+                raise RuntimeError(delta.error)
     sys.stdout.write("\n")
     return 0
 

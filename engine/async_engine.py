@@ -8,16 +8,16 @@ compute. So the loop that steps runs on a dedicated daemon thread::
     add_request(): prepare_request (validate,
       tokenize) -> inbox ────────────────────▶  drain inbox: add_prepared / abort
       await ack ◀──────── call_soon_threadsafe ─   (ack: added, or QueueFull / invalid)
-    async for out in stream ◀─ call_soon_threadsafe ─ step() -> RequestOutputs
+    async for delta in stream ◀─ call_soon_threadsafe ─ step() -> RequestDeltas
     stream closed / cancelled -> abort ───────▶  engine.abort (blocks freed before next step)
 
-The thread sleeps on a Condition while there is no work. Outputs are cumulative, so a
-stream keeps only the newest one: a slow consumer gets fewer, larger deltas instead of an
-unbounded backlog. Any number of frontends, on any number of event loops, may share one
-AsyncEngine. If a step raises, the requests in it fail (their iterators raise
-`RequestFailedError`; with an engine that has `fail_step`, requests waiting outside the
-failed step carry on) and the loop carries on; after `max_consecutive_failures` failing
-steps in a row the engine is declared dead (`is_healthy` False, `EngineDeadError`).
+The thread sleeps on a Condition while there is no work. The engine emits per-step deltas
+(only what is new), so a stream's cost is linear in its length; a slow consumer gets the
+deltas it has not read coalesced into one (see `RequestStream`), never dropped. Any number
+of frontends, on any number of event loops, may share one AsyncEngine. If a step raises,
+the requests in it fail (their iterators raise `RequestFailedError`; requests waiting
+outside the failed step carry on) and the loop carries on; after `max_consecutive_failures`
+failing steps in a row the engine is declared dead (`is_healthy` False, `EngineDeadError`).
 
 A step that never returns (a wedged device, a deadlock in a kernel) cannot be interrupted
 from Python, so the watchdog is passive: with `step_timeout_s` set, a step running longer
@@ -25,7 +25,9 @@ than that makes the engine unhealthy and refuses new requests, and whoever super
 process (`appliance serve`) exits so that it is restarted.
 
 The stream each caller holds (`RequestStream`) and what finish listeners get
-(`FinishedRequest`) live in `engine.request_stream`; both are importable from here too.
+(`FinishedRequest`) live in `engine.request_stream` (which does not import this module);
+both are importable from here too. What this module needs of the engine it drives is the
+`SteppedEngine` protocol (LLMEngine, or the tests' fake).
 
 This module imports no HTTP code and no torch (the LLMEngine is passed in or built lazily).
 """
@@ -33,14 +35,15 @@ This module imports no HTTP code and no torch (the LLMEngine is passed in or bui
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.errors import (
     EngineDeadError,
@@ -48,31 +51,84 @@ from engine.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
-from engine.output.request_output import RequestOutput
+from engine.output.request_output import OutputAccumulator, RequestDelta
 from engine.request_stream import (  # FinishedRequest and RequestStream are re-exported
     FinishedRequest,
     RequestStream,
-    _ack,
-    _run_callbacks,
     request_outcome,
 )
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.llm_engine import EngineStats, LLMEngine
+    from engine.llm_engine import EngineStats
 
 logger = logging.getLogger(__name__)
 
-# Prompts longer than this (characters or token ids) are tokenized off the event loop.
-_OFFLOAD_PROMPT_LEN = 8192
+# Prompts (characters, or token ids) longer than this are tokenized off the event loop,
+# unless the caller sets its own threshold (`server.offload_prompt_chars`).
+DEFAULT_OFFLOAD_PROMPT_CHARS = 8192
+
+
+class PreparedLike(Protocol):
+    """A validated, tokenized request (`LLMEngine.PreparedRequest`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+
+
+class SteppedEngine(Protocol):
+    """What AsyncEngine needs of the engine it drives: `LLMEngine`, or a test's stand-in.
+
+    `prepare_request` may run on any thread; everything else runs on the engine thread.
+    """
+
+    config: EngineConfig
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> PreparedLike: ...
+
+    def add_prepared(self, prepared: Any) -> None: ...
+
+    def abort(self, request_ids: str | Iterable[str]) -> None: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def fail_step(self, message: str) -> list[RequestDelta]: ...
+
+    def fail_all(self, message: str) -> list[RequestDelta]: ...
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
 
 
 @dataclass
 class _Add:
-    prepared: Any  # engine.llm_engine.PreparedRequest
+    prepared: PreparedLike
     stream: RequestStream
     ack: asyncio.Future
+
+
+@dataclass
+class _InFlight:
+    """Engine-thread record of one request: its stream and the sum of its deltas (what
+    finish listeners get, built once when it ends)."""
+
+    stream: RequestStream
+    total: OutputAccumulator
 
 
 @dataclass
@@ -86,19 +142,21 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: SteppedEngine,
         *,
         max_consecutive_failures: int = 3,
         step_timeout_s: float | None = None,
+        offload_prompt_chars: int = DEFAULT_OFFLOAD_PROMPT_CHARS,
     ):
         self.engine = engine
         self.max_consecutive_failures = max_consecutive_failures
         self.step_timeout_s = step_timeout_s
+        self.offload_prompt_chars = offload_prompt_chars
         self._step_started: float | None = None  # monotonic start of the running step
         self._cond = threading.Condition()
         self._inbox: list[_Add | _Abort] = []
         self._pending = 0  # adds in the inbox, not yet handed to the engine
-        self._streams: dict[str, RequestStream] = {}  # engine thread writes; others read len
+        self._streams: dict[str, _InFlight] = {}  # engine thread writes; others read len
         self._listeners: list[Callable[[FinishedRequest], None]] = []
         self._stats = engine.stats()
         self._accepting = True
@@ -168,6 +226,16 @@ class AsyncEngine:
         """`fn` runs on the engine thread once per finished or aborted request; keep it short."""
         self._listeners.append(fn)
 
+    async def offload_if_large(
+        self, size: int, fn: Callable[..., Any], *args: Any, **kw: Any
+    ) -> Any:
+        """Runs `fn` inline when `size` (characters, or token ids) is at most
+        `offload_prompt_chars`, else in a worker thread, so that one huge prompt cannot stall
+        every other stream on the event loop. The one threshold for every frontend."""
+        if size > self.offload_prompt_chars:
+            return await asyncio.to_thread(fn, *args, **kw)
+        return fn(*args, **kw)
+
     # ---- requests -------------------------------------------------------------------------
     async def add_request(
         self,
@@ -186,14 +254,14 @@ class AsyncEngine:
         self._check_accepting()
         request_id = request_id or uuid.uuid4().hex
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        args = (request_id, prompt, params)
-        kw = {"priority": priority, "arrival_time": arrival}
-        if len(prompt) > _OFFLOAD_PROMPT_LEN:
-            prepared = await asyncio.to_thread(self.engine.prepare_request, *args, **kw)
-        else:
-            prepared = self.engine.prepare_request(*args, **kw)
+        prepared = await self.offload_if_large(
+            len(prompt), self.engine.prepare_request, request_id, prompt, params,
+            priority=priority, arrival_time=arrival,
+        )  # fmt: skip
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self, loop)
+        stream = RequestStream(
+            request_id, params.n, len(prepared.prompt_token_ids), loop, self.abort
+        )
         ack = loop.create_future()
         with self._cond:
             self._check_accepting()
@@ -215,8 +283,8 @@ class AsyncEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs until the request finishes; closing it aborts the request."""
+    ) -> AsyncIterator[RequestDelta]:
+        """Yields the request's deltas until it finishes; closing it aborts the request."""
         stream = await self.add_request(
             prompt, params, request_id, priority=priority, arrival_time=arrival_time
         )
@@ -291,30 +359,33 @@ class AsyncEngine:
                 if self._dead is not None or self._stopping:
                     raise EngineDeadError("the engine is not running")
                 self.engine.add_prepared(item.prepared)
-                self._streams[item.stream.request_id] = item.stream
+                stream = item.stream
+                self._streams[stream.request_id] = _InFlight(
+                    stream, OutputAccumulator(stream.request_id, stream.n)
+                )
             except (InvalidRequestError, EngineError) as e:
                 err = e
             except Exception as e:
                 logger.exception("add_prepared failed")
                 err = RequestFailedError(f"the engine could not add the request: {e}")
-            out[item.stream._loop].append((_ack, item.ack, err))
+            out[item.stream.loop].append(functools.partial(_ack, item.ack, err))
 
     def _abort_one(self, rid: str, exc: BaseException | None, out: dict) -> None:
-        stream = self._streams.pop(rid, None)
-        if stream is None:
+        held = self._streams.pop(rid, None)
+        if held is None:
             return
         try:
             self.engine.abort(rid)
         except Exception:
             logger.exception("abort failed", extra={"fields": {"request_id": rid}})
         if exc is not None:
-            out[stream._loop].append((RequestStream._fail, stream, exc))
-        self._notify_finished(rid, "abort", stream.last_output)
+            out[held.stream.loop].append(functools.partial(held.stream.fail, exc))
+        self._notify_finished(rid, "abort", held.total)
 
     def _step(self, out: dict) -> None:
         self._step_started = time.monotonic()
         try:
-            outputs = self.engine.step()
+            deltas = self.engine.step()
         except Exception as e:
             self._on_step_failure(e, out)
             return
@@ -322,23 +393,22 @@ class AsyncEngine:
             self._step_started = None
         self.num_steps += 1
         self._consecutive_failures = 0
-        for o in outputs:
-            self._deliver(o, out)
+        for delta in deltas:
+            self._deliver(delta, out)
 
-    def _deliver(self, o: RequestOutput, out: dict) -> None:
-        stream = self._streams.get(o.request_id)
-        if stream is None:
+    def _deliver(self, delta: RequestDelta, out: dict) -> None:
+        held = self._streams.get(delta.request_id)
+        if held is None:
             return
-        stream.last_output = o
-        if o.error:
-            exc = RequestFailedError(o.error)
-            exc.output = o  # type: ignore[attr-defined]
-            out[stream._loop].append((RequestStream._fail, stream, exc))
+        held.total.add(delta)
+        stream = held.stream
+        if delta.error:
+            out[stream.loop].append(functools.partial(stream.fail, RequestFailedError(delta.error)))
         else:
-            out[stream._loop].append((RequestStream._put, stream, o))
-        if o.finished or o.error:
-            del self._streams[o.request_id]
-            self._notify_finished(o.request_id, request_outcome(o), o)
+            out[stream.loop].append(functools.partial(stream.put, delta))
+        if delta.finished or delta.error:
+            del self._streams[delta.request_id]
+            self._notify_finished(delta.request_id, None, held.total)
 
     def _on_step_failure(self, e: Exception, out: dict) -> None:
         self.num_failed_steps += 1
@@ -355,20 +425,19 @@ class AsyncEngine:
             },
         )
         # Only the requests of the failed step are suspect (their K/V, sampler state); the
-        # others wait in the queue untouched. An engine without `fail_step` fails them all.
-        fail_step = getattr(self.engine, "fail_step", None)
+        # others wait in the queue untouched.
         try:
-            failed = fail_step(message) if fail_step else self.engine.fail_all(message)
+            failed = self.engine.fail_step(message)
         except Exception:
             logger.exception("failing the step's requests failed")
             self._die(f"{message}; failing the requests in flight also failed")
             return
-        for o in failed:
-            if not o.error:
-                o.error = message
-            self._deliver(o, out)
+        for delta in failed:
+            if not delta.error:
+                delta.error = message
+            self._deliver(delta, out)
         for rid in list(self._streams):  # anything the engine no longer holds would wait forever
-            if fail_step is None or not self.engine.has_request(rid):
+            if not self.engine.has_request(rid):
                 self._abort_one(rid, RequestFailedError(message), out)
         if self._consecutive_failures >= self.max_consecutive_failures:
             self._die(f"{self._consecutive_failures} consecutive failing steps; last: {message}")
@@ -385,29 +454,33 @@ class AsyncEngine:
             if isinstance(item, _Add):
                 with self._cond:
                     self._pending -= 1
-                out[item.stream._loop].append((_ack, item.ack, exc))
+                out[item.stream.loop].append(functools.partial(_ack, item.ack, exc))
         for rid in list(self._streams):
             self._abort_one(rid, exc, out)
         self._flush(out)
 
     def _flush(self, out: dict) -> None:
-        for loop, items in out.items():
+        for loop, calls in out.items():
             try:
-                loop.call_soon_threadsafe(_run_callbacks, items)
+                loop.call_soon_threadsafe(_run_all, calls)
             except RuntimeError:  # that event loop is closed: nobody is listening
-                for _fn, target, _arg in items:
-                    if isinstance(target, RequestStream):
-                        self.abort(target.request_id)
+                for call in calls:
+                    stream = getattr(call.func, "__self__", None)
+                    if isinstance(stream, RequestStream):
+                        self.abort(stream.request_id)
 
-    def _notify_finished(self, rid: str, reason: str, o: RequestOutput | None) -> None:
+    def _notify_finished(self, rid: str, reason: str | None, total: OutputAccumulator) -> None:
+        """`reason` None: the request's own outcome (else "abort"); the whole output is built
+        here, once, and only when someone listens."""
         if not self._listeners:
             return
+        o = total.output()
         info = FinishedRequest(
             request_id=rid,
-            finish_reason=reason,
-            num_prompt_tokens=len(o.prompt_token_ids) if o else 0,
-            num_generation_tokens=sum(len(c.token_ids) for c in o.outputs) if o else 0,
-            metrics=o.metrics if o else None,
+            finish_reason=reason or request_outcome(o),
+            num_prompt_tokens=len(o.prompt_token_ids),
+            num_generation_tokens=total.num_output_tokens,
+            metrics=o.metrics,
             output=o,
         )
         for fn in self._listeners:
@@ -415,3 +488,18 @@ class AsyncEngine:
                 fn(info)
             except Exception:
                 logger.exception("finish listener failed")
+
+
+def _ack(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)
+
+
+def _run_all(calls: list[Callable[[], None]]) -> None:
+    """Runs one engine iteration's deliveries for one event loop, in order."""
+    for call in calls:
+        call()

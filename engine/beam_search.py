@@ -11,7 +11,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestFailedError
+from engine.output.request_output import OutputAccumulator, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
 _MAX_LOGPROBS = 20
@@ -47,7 +48,7 @@ def run_beam_search(engine, prompts: list, params: BeamSearchParams, ids: iterto
     eos = engine.tokenizer.eos_token_ids
     outputs = []
     for prompt in prompts:
-        _, prompt_ids = engine._tokenize_prompt(prompt)
+        _, prompt_ids = engine.tokenize_prompt(prompt)
         outputs.append(_search_one(engine, prompt_ids, params, eos, ids))
     return outputs
 
@@ -86,18 +87,23 @@ def _search_one(engine, prompt_ids: list[int], params: BeamSearchParams, eos, id
 
 def _expand(engine, beams: list[BeamSequence], params: SamplingParams, ids):
     """One round: each beam's top-2w next tokens with their logprobs."""
-    order = []
+    pending: dict[str, OutputAccumulator] = {}
     for beam in beams:
         rid = f"beam-{next(ids)}"
         engine.add_request(rid, {"prompt_token_ids": beam.token_ids}, params)
-        order.append(rid)
-    results = {}
-    while len(results) < len(order):
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out
+        pending[rid] = OutputAccumulator(rid, 1)
+    results: dict[str, RequestOutput] = {}
+    while len(results) < len(pending):
+        for delta in engine.step():
+            acc = pending[delta.request_id]
+            acc.add(delta)
+            if delta.finished:
+                results[delta.request_id] = acc.output()
     tops = []
-    for rid in order:
-        lp = results[rid].outputs[0].logprobs[0]
+    for rid in pending:
+        out = results[rid]
+        if out.error:
+            raise RequestFailedError(out.error)
+        lp = out.outputs[0].logprobs[0]
         tops.append(lp.top or [(lp.token_id, lp.logprob)])
     return tops

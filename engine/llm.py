@@ -17,7 +17,7 @@ from tqdm import tqdm
 from engine.beam_search import BeamSearchOutput, run_beam_search
 from engine.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.output.request_output import RequestOutput
+from engine.output.request_output import OutputAccumulator, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
 # LLM(...) keyword -> (config section, field name)
@@ -82,12 +82,12 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = _broadcast(sampling_params, len(prompts))
-        order = []
+        pending: dict[str, OutputAccumulator] = {}
         for prompt, p in zip(prompts, params, strict=True):
             rid = str(next(self._ids))
             self.engine.add_request(rid, prompt, p)
-            order.append(rid)
-        return self._run(order, use_tqdm)
+            pending[rid] = OutputAccumulator(rid, p.n)
+        return self._run(pending, use_tqdm)
 
     def chat(
         self,
@@ -114,19 +114,23 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         return run_beam_search(self.engine, list(prompts), params, self._ids)
 
-    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, pending: dict[str, OutputAccumulator], use_tqdm: bool) -> list[RequestOutput]:
+        """Steps until every request in `pending` finished; each output is built once, then."""
         results: dict[str, RequestOutput] = {}
-        wanted = set(order)
-        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req")
+        bar = tqdm(total=len(pending), desc="generate", disable=not use_tqdm, unit="req")
         try:
-            while len(results) < len(order) and self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        results[out.request_id] = out
+            while len(results) < len(pending) and self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    acc = pending.get(delta.request_id)
+                    if acc is None:
+                        continue
+                    acc.add(delta)
+                    if delta.finished:
+                        results[delta.request_id] = acc.output()
                         bar.update(1)
         finally:
             bar.close()
-        return [results[rid] for rid in order]
+        return [results[rid] for rid in pending]
 
 
 def _broadcast(

@@ -1,7 +1,8 @@
 """LLMEngine: add requests, step, abort. The one object that owns scheduler, runner and model.
 
 One `step()` is: schedule -> execute on the model -> update the scheduler with the sampled
-tokens -> detokenize and check stop strings -> `RequestOutput`s. `prepare_request` is pure
+tokens -> detokenize and check stop strings -> one `RequestDelta` per request that progressed
+(only what is new; see `engine.output.request_output`). `prepare_request` is pure
 validation and tokenization and may run on another thread than `step`; everything else
 belongs to the thread that steps.
 """
@@ -23,7 +24,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.step_io import SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.output.processor import OutputProcessor
-from engine.output.request_output import RequestOutput
+from engine.output.request_output import RequestDelta
 from engine.output.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.worker.kv_sizing import KVGeometry, num_blocks_for_cpu, size_gpu_kv_cache
@@ -130,7 +131,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> PreparedRequest:
         """Validates and tokenizes; raises InvalidRequestError naming the field. Thread-safe."""
-        text, ids = self._tokenize_prompt(prompt)
+        text, ids = self.tokenize_prompt(prompt)
         if params.n > self.config.scheduler.max_n:
             raise InvalidRequestError(
                 f"n must be at most {self.config.scheduler.max_n}, got {params.n}", "n"
@@ -164,7 +165,8 @@ class LLMEngine:
             )  # fmt: skip
         return PreparedRequest(request_id, text, ids, requests)
 
-    def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids); raises InvalidRequestError. Thread-safe."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -226,7 +228,8 @@ class LLMEngine:
         """True while the request (any of its samples) is held by the engine."""
         return request_id in self.outputs.groups
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
+        """Runs one step; returns what each request that progressed gained in it."""
         self._step_output = None
         so = self._step_output = self.scheduler.schedule()
         runner_out = self.runner.execute(so)
@@ -238,16 +241,16 @@ class LLMEngine:
             self.outputs.finalize_stop(sample.request_id)
         results = []
         for gid in touched:
-            out = self.outputs.output_for(gid)
-            if out is None:
+            delta = self.outputs.delta_for(gid)
+            if delta is None:
                 continue
-            results.append(out)
-            if out.finished:
+            results.append(delta)
+            if delta.finished:
                 self.outputs.remove_group(gid)
         self._step_output = None
         return results
 
-    def fail_step(self, message: str) -> list[RequestOutput]:
+    def fail_step(self, message: str) -> list[RequestDelta]:
         """After `step` raised: fail the requests that were in that step and free their
         blocks; requests not in it keep their place. If scheduling itself raised, nothing
         is known, so everything fails."""
@@ -262,18 +265,18 @@ class LLMEngine:
         ]
         return self._fail_groups(gids, message)
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
+    def fail_all(self, message: str) -> list[RequestDelta]:
         """Fails every in-flight request and frees its blocks; the engine carries on."""
         return self._fail_groups(list(self.outputs.groups), message)
 
-    def _fail_groups(self, gids: list[str], message: str) -> list[RequestOutput]:
+    def _fail_groups(self, gids: list[str], message: str) -> list[RequestDelta]:
         results = []
         for gid in gids:
             group = self.outputs.groups[gid]
             ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             group.error = message
-            results.append(group.to_output())
+            results.append(group.take_delta())
             self.outputs.remove_group(gid)
         return results
 

@@ -1,8 +1,10 @@
-"""What a caller of AsyncEngine holds: one request's stream of outputs, and its outcome.
+"""What a caller of AsyncEngine holds: one request's stream of deltas, and its outcome.
 
-These are the event-loop side of AsyncEngine, kept apart from the engine thread so that a
-frontend can see what it consumes (and finish listeners what they get) without reading the
-loop. The engine thread fills a stream only through `loop.call_soon_threadsafe`.
+This is the event-loop side of AsyncEngine, kept apart from the engine thread so that a
+frontend (HTTP and gRPC alike) can see what it consumes, and finish listeners what they
+get, without reading the loop. It imports nothing from `engine.async_engine`: the engine
+thread fills a stream only through `loop.call_soon_threadsafe(stream.put, ...)` (or
+`stream.fail`), and the stream asks for an abort through the callback it was given.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-from engine.output.request_output import RequestMetrics, RequestOutput
-
-if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+from engine.output.request_output import (
+    OutputAccumulator,
+    RequestDelta,
+    RequestMetrics,
+    RequestOutput,
+    SampleDelta,
+)
 
 # Worst-first order used to give an n > 1 request a single outcome.
 _OUTCOME_ORDER = ("error", "abort", "length", "stop")
@@ -33,6 +37,15 @@ class FinishedRequest:
     output: RequestOutput | None
 
 
+@dataclass(frozen=True)
+class TokenCounts:
+    """A request's token usage so far (what its stream has handed to the consumer)."""
+
+    prompt_tokens: int
+    completion_tokens: int  # over all samples
+    cached_tokens: int  # prompt tokens read from the prefix cache
+
+
 def request_outcome(out: RequestOutput) -> str:
     """One finish reason for the whole request (the worst of its samples')."""
     if out.error:
@@ -42,39 +55,61 @@ def request_outcome(out: RequestOutput) -> str:
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative outputs; `abort()` cancels it.
+    """Async iterator over one request's `RequestDelta`s; `abort()` cancels it.
 
-    Filled from the engine thread through `loop.call_soon_threadsafe`; consumed on `loop`.
+    A consumer that falls behind loses nothing: the deltas it has not read yet are
+    coalesced per choice (tokens, text and logprobs of a sample concatenated in order, its
+    finish kept), so its next read returns them all as one delta. Each choice's
+    `finish_reason` arrives exactly once: the engine reports it once, and an aborted stream
+    ends with one delta giving "abort" to every choice that had not finished.
+
+    The stream also sums what it has handed out: `counts()` is the usage so far, and
+    `output()` (or `result()`, which first reads to the end) the whole answer, built once.
     """
 
-    def __init__(self, request_id: str, owner: AsyncEngine, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        request_id: str,
+        n: int,
+        num_prompt_tokens: int,
+        loop: asyncio.AbstractEventLoop,
+        on_abort: Callable[[str], None],
+    ):
         self.request_id = request_id
-        self._owner = owner
-        self._loop = loop
-        self._latest: RequestOutput | None = None
+        self.n = n
+        self.num_prompt_tokens = num_prompt_tokens
+        self.loop = loop  # the engine thread delivers on this loop
+        self._on_abort = on_abort
+        self._pending: OutputAccumulator | None = None  # delivered, not read yet
+        self._seen = OutputAccumulator(request_id, n)  # everything read so far
         self._exc: BaseException | None = None
+        self._aborted = False
         self._event = asyncio.Event()
-        self.finished = False
-        # Engine-thread side: newest output delivered (for abort accounting).
-        self.last_output: RequestOutput | None = None
+        self.finished = False  # nothing more will be read: finished, failed or aborted
 
-    def _put(self, out: RequestOutput) -> None:
-        self._latest = out
+    # ---- the engine's side (runs on `loop`) ---------------------------------------------------
+    def put(self, delta: RequestDelta) -> None:
+        """One step's delta for this request; coalesced with any the consumer has not read."""
+        if self._aborted:
+            return
+        if self._pending is None:
+            self._pending = OutputAccumulator(self.request_id)
+        self._pending.add(delta)
         self._event.set()
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """The request ended in the engine with `exc` (raised once the pending deltas are read)."""
         self._exc = exc
         self._event.set()
 
+    # ---- the consumer's side -----------------------------------------------------------------
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestDelta:
         while not self.finished:
-            if self._latest is not None:
-                out, self._latest = self._latest, None
-                self.finished = out.finished
-                return out
+            if self._pending is not None or self._aborted:
+                return self._take()
             if self._exc is not None:
                 self.finished = True
                 raise self._exc
@@ -82,22 +117,58 @@ class RequestStream:
             await self._event.wait()
         raise StopAsyncIteration
 
+    def _take(self) -> RequestDelta:
+        pending, self._pending = self._pending, None
+        if self._aborted:
+            pending = pending or OutputAccumulator(self.request_id)
+            done = {**self._seen.finish_reasons(), **pending.finish_reasons()}
+            rest = [SampleDelta(i, finish_reason="abort") for i in range(self.n) if i not in done]
+            pending.add(RequestDelta(self.request_id, rest, finished=True))
+        assert pending is not None
+        delta = pending.delta()
+        self._seen.add(delta)
+        self.finished = delta.finished
+        return delta
+
+    async def result(self) -> RequestOutput:
+        """Reads the stream to its end; the whole output (raises what the engine raised).
+        Cancelling the caller aborts the request."""
+        try:
+            async for _ in self:
+                pass
+        finally:
+            self.abort()
+        return self.output()
+
+    def output(self) -> RequestOutput:
+        """Everything read so far as one output (copies it all: call it once, at the end)."""
+        return self._seen.output()
+
+    def counts(self) -> TokenCounts:
+        """Token usage of what has been read so far (cheap: call it per chunk)."""
+        metrics = self._seen.metrics
+        return TokenCounts(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self._seen.num_output_tokens,
+            cached_tokens=metrics.num_cached_tokens if metrics is not None else 0,
+        )
+
+    def finish_reasons(self) -> list[str | None]:
+        """Each choice's finish reason as read so far (None: still running)."""
+        done = self._seen.finish_reasons()
+        return [done.get(i) for i in range(self.n)]
+
+    @property
+    def aborted(self) -> bool:
+        """The consumer aborted the stream before it finished."""
+        return self._aborted
+
     def abort(self) -> None:
-        """Cancels the request in the engine unless it already finished. Idempotent."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
+        """Cancels the request in the engine unless it already finished. Idempotent.
 
-
-def _ack(fut: asyncio.Future, err: BaseException | None) -> None:
-    if fut.done():
-        return
-    if err is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(err)
-
-
-def _run_callbacks(items: list[tuple[Callable, Any, Any]]) -> None:
-    for fn, target, arg in items:
-        fn(target, arg)
+        A consumer still reading gets the deltas delivered before the abort, then one last
+        delta that finishes every unfinished choice with "abort"."""
+        if not self.finished and not self._aborted:
+            self._aborted = True
+            self._on_abort(self.request_id)
+            self._event.set()

@@ -37,13 +37,6 @@ LAYERED_TOP_LEVEL = frozenset({"engine", "appliance"})
 # Not importable by engine.core, directly or through the modules it imports.
 TORCH_LIKE = frozenset({"torch", "transformers"})
 
-# KNOWN_CYCLES_BEING_REMOVED: import cycles that exist on this branch and that another part of
-# issue 13 (H3, the streaming rework) removes. An SCC equal to one of these sets is tolerated,
-# nothing more. The lead deletes this allowlist when the branches are merged; do not add to it.
-KNOWN_CYCLES_BEING_REMOVED: frozenset[frozenset[str]] = frozenset(
-    {frozenset({"engine.async_engine", "engine.request_stream"})}
-)
-
 
 # ---- the graph --------------------------------------------------------------------------------
 @dataclass
@@ -176,12 +169,10 @@ def strongly_connected(nodes: Iterable[str], edges: dict[str, set[str]]) -> list
     return found
 
 
-def module_cycles(graph: ImportGraph, known=KNOWN_CYCLES_BEING_REMOVED) -> list[str]:
+def module_cycles(graph: ImportGraph) -> list[str]:
     out = []
     edges = {m: set(d) for m, d in graph.edges.items()}
     for scc in strongly_connected(sorted(graph.files), edges):
-        if frozenset(scc) in known:
-            continue
         arrows = [
             f"    {s} -> {d} ({graph.where(s, d)})"
             for s in sorted(scc)
@@ -192,7 +183,7 @@ def module_cycles(graph: ImportGraph, known=KNOWN_CYCLES_BEING_REMOVED) -> list[
     return out
 
 
-def package_cycles(graph: ImportGraph, known=KNOWN_CYCLES_BEING_REMOVED) -> list[str]:
+def package_cycles(graph: ImportGraph) -> list[str]:
     edges: dict[str, set[str]] = {}
     witness: dict[tuple[str, str], str] = {}
     for src, dsts in graph.edges.items():
@@ -203,8 +194,6 @@ def package_cycles(graph: ImportGraph, known=KNOWN_CYCLES_BEING_REMOVED) -> list
                 witness.setdefault((gs, gd), f"{src} -> {dst} ({graph.where(src, dst)})")
     out = []
     for scc in strongly_connected(sorted(edges), edges):
-        if frozenset(scc) in known:
-            continue
         arrows = [
             f"    {witness[(s, d)]}" for s in sorted(scc) for d in sorted(edges[s]) if d in scc
         ]
@@ -298,13 +287,6 @@ def test_engine_core_never_reaches_torch():
     _fail_on(torch_in_core(_repo_graph()), "torch imports under engine/core")
 
 
-def test_the_known_cycle_allowlist_holds_only_the_async_stream_pair():
-    # The one pair another helper removes; a second entry would hide a new cycle.
-    assert KNOWN_CYCLES_BEING_REMOVED == {
-        frozenset({"engine.async_engine", "engine.request_stream"})
-    }
-
-
 # ---- the checker itself, on fake trees --------------------------------------------------------
 def _tree(root: Path, files: dict[str, str]) -> ImportGraph:
     for rel, text in files.items():
@@ -357,10 +339,9 @@ def test_checker_resolves_relative_lazy_and_type_checking_imports(tmp_path):
 def test_checker_finds_cycles_upward_arrows_and_torch_in_core(tmp_path):
     g = _tree(tmp_path, FAKE)
     pair = frozenset({"engine.core.request", "engine.core.scheduler"})
-    [cycle] = module_cycles(g, known=frozenset())
+    [cycle] = module_cycles(g)
     assert cycle.startswith(f"import cycle between {sorted(pair)}")
     assert "engine.core.scheduler -> engine.core.request (engine/core/scheduler.py:3)" in cycle
-    assert module_cycles(g, known=frozenset({pair})) == []
     [packages] = package_cycles(g)
     assert packages.startswith("package cycle between ['engine.output', 'engine.worker']")
     up = upward_arrows(g)

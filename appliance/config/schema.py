@@ -81,6 +81,10 @@ class ServerConfig:
     # Seconds one engine step may run before the engine counts as hung: health turns
     # unhealthy and `appliance serve` exits non-zero. None: no watchdog.
     step_timeout_s: float | None = 300.0
+    # Prompts, chat messages and texts to tokenize longer than this (characters, or token
+    # ids) are tokenized in a worker thread, so one huge input cannot stall every other
+    # stream on the event loop. One threshold for HTTP, gRPC and the engine's admission.
+    offload_prompt_chars: int = 8192
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "server.host", "must not be empty")
@@ -98,6 +102,7 @@ class ServerConfig:
         _require(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
         if self.step_timeout_s is not None:
             _require(self.step_timeout_s > 0, "server.step_timeout_s", "must be > 0 or null")
+        _require(self.offload_prompt_chars >= 0, "server.offload_prompt_chars", "must be >= 0")
 
 
 @dataclass(frozen=True)

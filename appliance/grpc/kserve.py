@@ -25,9 +25,8 @@ from appliance.grpc.guard import INTERNAL_MESSAGE
 from appliance.grpc.kserve_tensors import INPUTS, OUTPUTS, LLMRequest, infer_response, parse_request
 from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc
-from appliance.grpc.streaming import DeltaTracker, Generation
 from appliance.telemetry import Tracing, record_request_span
-from engine.output.request_output import RequestOutput
+from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -177,71 +176,62 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         self, req: kpb.ModelInferRequest, parsed: LLMRequest, carrier: Any
     ) -> AsyncIterator[kpb.ModelInferResponse]:
         # Client ids ("1", "2", ...) collide across clients; the engine gets its own.
-        gen = Generation(self._engine, parsed.text, parsed.params, f"kserve-{uuid.uuid4().hex}")
+        rid = f"kserve-{uuid.uuid4().hex}"
         final_flag = _wants_final_flag(req)
+        n = parsed.params.n
+        stream: RequestStream | None = None
         error: str | None = None
         try:
+            stream = await self._engine.add_request(parsed.text, parsed.params, rid)
             if parsed.stream:
-                tracker = DeltaTracker()
-                async for out in gen.outputs():
-                    deltas = {d.index: d for d in tracker.update(out)}
-                    if deltas:
-                        texts = [
-                            deltas[i].text if i in deltas else "" for i in range(parsed.params.n)
-                        ]
-                        counts = [
-                            len(deltas[i].token_ids) if i in deltas else 0
-                            for i in range(len(texts))
-                        ]
-                        final = out.finished if final_flag else None
-                        yield self._response(req, parsed, out, texts, counts, final)
+                async for delta in stream:
+                    if not delta.outputs:
+                        continue
+                    texts, counts = [""] * n, [0] * n
+                    for d in delta.outputs:
+                        texts[d.index], counts[d.index] = d.text, len(d.token_ids)
+                    final = delta.finished if final_flag else None
+                    yield self._response(req, parsed, stream, texts, counts, final)
             else:
-                last = None
-                async for out in gen.outputs():
-                    last = out
-                if last is not None:
-                    prefix = "" if parsed.exclude_input else parsed.text
-                    outs = _by_index(last)
-                    texts = [prefix + c.text for c in outs]
-                    counts = [len(c.token_ids) for c in outs]
-                    yield self._response(
-                        req, parsed, last, texts, counts, True if final_flag else None
-                    )
+                out = await stream.result()
+                prefix = "" if parsed.exclude_input else parsed.text
+                texts = [prefix + c.text for c in out.outputs]
+                counts = [len(c.token_ids) for c in out.outputs]
+                yield self._response(
+                    req, parsed, stream, texts, counts, True if final_flag else None
+                )
         except errors.ENGINE_ERRORS as e:
             error = str(e)
             raise
         finally:
-            gen.close()
-            unfinished = gen.last is None or not gen.last.finished
-            record_request_span(
-                self._tracing, carrier, gen.last, operation="text_completion",
-                model=self._model, params=parsed.params, request_id=gen.request_id,
-                error=error, aborted=unfinished and not error,
-            )  # fmt: skip
+            if stream is not None:
+                stream.abort()  # a no-op once it finished
+                record_request_span(
+                    self._tracing, carrier, stream.output() if self._tracing else None,
+                    operation="text_completion",
+                    model=self._model, params=parsed.params, request_id=rid,
+                    error=error, aborted=stream.aborted and not error,
+                )  # fmt: skip
 
     def _response(
         self,
         req: kpb.ModelInferRequest,
         parsed: LLMRequest,
-        out: RequestOutput,
+        stream: RequestStream,
         texts: list[str],
         token_counts: list[int],
         final: bool | None,
     ) -> kpb.ModelInferResponse:
         flags = parsed.flags
-        reasons = [c.finish_reason or "" for c in _by_index(out)]
+        reasons = [r or "" for r in stream.finish_reasons()]
         return infer_response(
             req,
             self._model,
             texts,
             finish_reasons=reasons if flags.get("return_finish_reason") else None,
-            num_input_tokens=(
-                len(out.prompt_token_ids) if flags.get("return_num_input_tokens") else None
-            ),
+            num_input_tokens=stream.num_prompt_tokens
+            if flags.get("return_num_input_tokens")
+            else None,
             num_output_tokens=token_counts if flags.get("return_num_output_tokens") else None,
             final=final,
         )
-
-
-def _by_index(out: RequestOutput) -> list[Any]:
-    return sorted(out.outputs, key=lambda c: c.index)

@@ -1,10 +1,16 @@
-"""The native `appliance.v1.Appliance` service: typed, streaming generation over gRPC."""
+"""The native `appliance.v1.Appliance` service: typed, streaming generation over gRPC.
+
+`Generate` sends one response per sample delta, as the engine's `RequestStream` hands them
+out (coalesced when the client reads slower than the engine writes, never dropped); the
+`Abort` rpc aborts that stream from another call, and it then ends with one "abort" delta
+for each sample that had not finished.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -13,8 +19,9 @@ from appliance.grpc import errors
 from appliance.grpc.errors import RpcError, invalid
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
-from appliance.grpc.streaming import DeltaTracker, Generation, SampleDelta, usage_counts
 from appliance.telemetry import Tracing, record_request_span
+from engine.output.request_output import SampleDelta
+from engine.request_stream import RequestStream, TokenCounts
 from engine.sampling_params import SamplingParams
 
 # Proto fields copied as they are when set (the `optional` scalars).
@@ -24,8 +31,6 @@ _OPTIONAL_SCALARS = (
     "spaces_between_special_tokens",
 )  # fmt: skip
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
-# Prompts longer than this are tokenized off the event loop.
-_OFFLOAD_CHARS = 8192
 
 
 def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
@@ -53,6 +58,20 @@ def _chat_messages(chat: pb.Chat) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
+@dataclass
+class _Call:
+    """One Generate call in flight: its stream once the engine holds the request, and
+    whether `Abort` came first (then the stream is aborted as soon as it exists)."""
+
+    stream: RequestStream | None = None
+    abort_asked: bool = False
+
+    def abort(self) -> None:
+        self.abort_asked = True
+        if self.stream is not None:
+            self.stream.abort()
+
+
 class ApplianceServicer(pb_grpc.ApplianceServicer):
     """Serves one model from an AsyncEngine. See appliance.proto for the contract."""
 
@@ -61,12 +80,12 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         self._model = model_name
         self._tracing = tracing
         # In-flight Generate calls of this server, for Abort.
-        self._active: dict[str, Generation] = {}
+        self._active: dict[str, _Call] = {}
 
     # ---- helpers ----------------------------------------------------------------------------
     @property
     def _tokenizer(self) -> Any:
-        return self._engine.engine.tokenizer
+        return self._engine.tokenizer
 
     def _check_model(self, model: str) -> None:
         if model and model != self._model:
@@ -77,8 +96,11 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
     async def _render_chat(self, chat: pb.Chat) -> list[int]:
         messages = _chat_messages(chat)
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        size = sum(len(m["content"]) for m in messages)
         try:
-            return self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
+            return await self._engine.offload_if_large(
+                size, self._tokenizer.apply_chat_template, messages, add_generation_prompt=add_gen
+            )
         except ValueError as e:
             raise invalid("chat.messages", str(e).removeprefix("messages: ")) from e
 
@@ -99,7 +121,8 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         params: SamplingParams | None = None
         operation, prompt_field = "text_completion", "prompt"
-        gen: Generation | None = None
+        rid: str | None = None
+        call: _Call | None = None
         error: str | None = None
 
         def field_of(param: str | None) -> str:
@@ -116,18 +139,15 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
             if rid in self._active:
                 raise invalid("request_id", f"{rid!r} is already in flight")
-            gen = Generation(self._engine, prompt, params, rid, request.priority)
-            self._active[rid] = gen
-            tracker = DeltaTracker()
-            async for out in gen.outputs():
-                deltas = tracker.update(out)
-                for i, d in enumerate(deltas):
-                    last = out.finished and i == len(deltas) - 1
-                    yield self._response(rid, d, out if last else None)
-            if gen.aborted:
-                deltas = tracker.abort_rest(params.n)
-                for i, d in enumerate(deltas):
-                    yield self._response(rid, d, gen.last if i == len(deltas) - 1 else None)
+            call = self._active[rid] = _Call()
+            stream = await self._engine.add_request(prompt, params, rid, priority=request.priority)
+            call.stream = stream
+            if call.abort_asked:
+                stream.abort()
+            async for delta in stream:
+                for i, d in enumerate(delta.outputs):
+                    last = delta.finished and i == len(delta.outputs) - 1
+                    yield self._response(rid, d, stream.counts() if last else None)
         except RpcError as e:
             error = e.message
             await errors.abort(context, e)
@@ -136,17 +156,19 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             error = err.message
             await errors.abort(context, err)
         finally:
-            if gen is not None:
-                self._active.pop(gen.request_id, None)
-                gen.close()
-                unfinished = gen.last is None or not gen.last.finished
-                record_request_span(
-                    self._tracing, context.invocation_metadata(), gen.last,
-                    operation=operation, model=self._model, params=gen.params,
-                    request_id=gen.request_id, error=error, aborted=unfinished and not error,
-                )  # fmt: skip
+            if call is not None and rid is not None:
+                self._active.pop(rid, None)
+                stream = call.stream
+                if stream is not None:
+                    stream.abort()  # a no-op once it finished
+                    record_request_span(
+                        self._tracing, context.invocation_metadata(),
+                        stream.output() if self._tracing else None,
+                        operation=operation, model=self._model, params=params,
+                        request_id=rid, error=error, aborted=stream.aborted and not error,
+                    )  # fmt: skip
 
-    def _response(self, rid: str, d: SampleDelta, final: Any) -> pb.GenerateResponse:
+    def _response(self, rid: str, d: SampleDelta, usage: TokenCounts | None) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(
             request_id=rid,
             index=d.index,
@@ -154,7 +176,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             token_ids=d.token_ids,
             finish_reason=d.finish_reason or "",
         )
-        for lp in d.logprobs:
+        for lp in d.logprobs or ():
             resp.logprobs.add(
                 token_id=lp.token_id,
                 logprob=lp.logprob,
@@ -165,10 +187,13 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             resp.stop_string = d.stop_reason
         elif isinstance(d.stop_reason, int):
             resp.stop_token_id = d.stop_reason
-        if final is not None:
-            prompt, completion, cached = usage_counts(final)
+        if usage is not None:
             resp.usage.CopyFrom(
-                pb.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+                pb.Usage(
+                    prompt_tokens=usage.prompt_tokens,
+                    completion_tokens=usage.completion_tokens,
+                    cached_tokens=usage.cached_tokens,
+                )
             )
         return resp
 
@@ -184,17 +209,18 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                 add_special = (
                     request.add_special_tokens if request.HasField("add_special_tokens") else True
                 )
-                encode = self._tokenizer.encode
-                if len(request.text) > _OFFLOAD_CHARS:
-                    ids = await asyncio.to_thread(encode, request.text, add_special)
-                else:
-                    ids = encode(request.text, add_special_tokens=add_special)
+                ids = await self._engine.offload_if_large(
+                    len(request.text),
+                    self._tokenizer.encode,
+                    request.text,
+                    add_special_tokens=add_special,
+                )
             else:
                 raise invalid("input", "one of text or chat is required")
         except RpcError as e:
             await errors.abort(context, e)
         return pb.TokenizeResponse(
-            token_ids=ids, count=len(ids), max_model_len=self._engine.engine.max_model_len
+            token_ids=ids, count=len(ids), max_model_len=self._engine.max_model_len
         )
 
     async def Detokenize(
@@ -214,15 +240,15 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         model = pb.Model(
-            id=self._model, max_model_len=self._engine.engine.max_model_len, owned_by="appliance"
+            id=self._model, max_model_len=self._engine.max_model_len, owned_by="appliance"
         )
         return pb.ListModelsResponse(models=[model])
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        gen = self._active.get(request.request_id)
-        if gen is None:
+        call = self._active.get(request.request_id)
+        if call is None:
             await errors.abort(
                 context,
                 RpcError(
@@ -231,5 +257,5 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                     None,
                 ),
             )
-        gen.abort()
+        call.abort()
         return pb.AbortResponse()

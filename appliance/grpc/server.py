@@ -111,7 +111,7 @@ async def start_grpc_server(
 
     The bound port (useful with port 0) is set as `server.bound_port`.
     """
-    model = settings.model_name or async_engine.engine.model_name
+    model = settings.model_name or async_engine.model_name
     options: Iterable[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", settings.max_receive_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),

@@ -33,7 +33,6 @@ from appliance.http.serving import (
     begin,
     log_done,
     merged,
-    offload_if_large,
     respond,
     sse,
     submit,
@@ -117,7 +116,7 @@ def render_chat(
 
 async def create_chat_completion(request: Request) -> Response:
     arrival, state, req, params = await begin(request, ChatCompletionRequest)
-    prompt_ids = await offload_if_large(
+    prompt_ids = await state.aeng.offload_if_large(
         _size(req.messages),
         render_chat,
         state,
@@ -182,8 +181,7 @@ def _response(
 async def _stream(
     state: AppState, req: ChatCompletionRequest, rid: str, streams: list[RequestStream]
 ) -> AsyncIterator[str]:
-    w = ChunkWriter(ChatCompletionChunk, rid, state.model_name, req.stream_options)
-    final: RequestOutput | None = None
+    w = ChunkWriter(ChatCompletionChunk, rid, state.model_name, req.stream_options, streams)
     try:
         yield w.chunk(
             [
@@ -194,21 +192,19 @@ async def _stream(
                 for i in range(req.n)
             ]
         )  # fmt: skip
-        async for _, out in merged(streams):
-            final = out
+        async for _, delta in merged(streams):
+            w.took(delta)
             choices = []
-            for c in out.outputs:
-                delta = w.text_delta(c.index, c.text)
+            for c in delta.outputs:
                 lps = None
-                if req.logprobs and c.logprobs is not None:
-                    new_lps = w.logprobs_delta(c.index, c.logprobs)
-                    lps = convert.chat_logprobs(new_lps, _num_top(req), state.token_str)
-                reason = w.finish_reason(c.index, convert.finish_reason(c.finish_reason))
-                if delta or reason or (lps and lps.content):
+                if req.logprobs and c.logprobs:
+                    lps = convert.chat_logprobs(c.logprobs, _num_top(req), state.token_str)
+                reason = convert.finish_reason(c.finish_reason)
+                if c.text or reason or lps:
                     choices.append(
                         ChatChunkChoice(
                             index=c.index,
-                            delta=ChoiceDelta(content=delta) if delta else ChoiceDelta(),
+                            delta=ChoiceDelta(content=c.text) if c.text else ChoiceDelta(),
                             logprobs=lps,
                             finish_reason=reason,
                             **({"stop_reason": c.stop_reason} if reason else {}),
@@ -216,10 +212,10 @@ async def _stream(
                     )
             if choices:
                 yield w.chunk(choices)
-        if w.include_usage and final is not None:
+        final = streams[0].output()
+        if w.include_usage:
             yield w.usage(convert.usage([final]))
-        if final is not None:
-            _log_done(state, rid, req, final)
+        _log_done(state, rid, req, final)
     except Exception as e:
         yield sse(json.dumps(from_engine_error(e).body()))
     yield SSE_DONE

@@ -1,8 +1,9 @@
 """POST /v1/completions: text or token-id prompts (one or a batch), streamed or not.
 
 Choices are numbered prompt-major: choice index = prompt index * n + sample index, as in
-OpenAI's API. Streamed chunks carry text deltas (the engine's text only ever grows). The
-prompt's side (`echo` with `logprobs`, `prompt_logprobs`, `max_tokens` 0) is in `echo`.
+OpenAI's API. Streamed chunks carry the engine's deltas: each choice's new text (and
+logprobs) as it comes, its finish_reason once. The prompt's side (`echo` with `logprobs`,
+`prompt_logprobs`, `max_tokens` 0) is in `echo`.
 """
 
 from __future__ import annotations
@@ -99,8 +100,7 @@ async def _stream(
     streams: list[RequestStream],
 ) -> AsyncIterator[str]:
     """SSE chunks: text deltas per choice, a final chunk per choice, usage, [DONE]."""
-    w = ChunkWriter(CompletionStreamResponse, rid, state.model_name, req.stream_options)
-    finals: list[RequestOutput | None] = [None] * len(streams)
+    w = ChunkWriter(CompletionStreamResponse, rid, state.model_name, req.stream_options, streams)
     try:
         if req.echo:  # the prompt text first, once per choice
             yield w.chunk(
@@ -115,25 +115,23 @@ async def _stream(
                     for i in range(req.n)
                 ]
             )
-        async for p, out in merged(streams):
-            finals[p] = out
+        async for p, delta in merged(streams):
+            w.took(delta)
             choices = []
-            for c in out.outputs:
+            for c in delta.outputs:
                 idx = p * req.n + c.index
-                delta = w.text_delta(idx, c.text)
+                offset = w.text_offset(idx, c.text)
                 lps = None
-                if req.logprobs is not None and c.logprobs is not None:
-                    new_lps = w.logprobs_delta(idx, c.logprobs)
-                    offset = len(c.text) - len(delta)  # where the new text starts
+                if req.logprobs is not None and c.logprobs:
                     lps = convert.completion_logprobs(
-                        new_lps, req.logprobs, state.token_str, offset
+                        c.logprobs, req.logprobs, state.token_str, offset
                     )
-                reason = w.finish_reason(idx, convert.finish_reason(c.finish_reason))
-                if delta or reason or (lps and lps.tokens):
+                reason = convert.finish_reason(c.finish_reason)
+                if c.text or reason or lps:
                     choices.append(
                         CompletionChoice(
                             index=idx,
-                            text=delta,
+                            text=c.text,
                             logprobs=lps,
                             finish_reason=reason,
                             stop_reason=c.stop_reason,
@@ -141,9 +139,10 @@ async def _stream(
                     )
             if choices:
                 yield w.chunk(choices)
+        finals = [s.output() for s in streams]
         if w.include_usage:
-            yield w.usage(convert.usage([f for f in finals if f is not None]))
-        _log_done(state, rid, [f for f in finals if f is not None])
+            yield w.usage(convert.usage(finals))
+        _log_done(state, rid, finals)
     except Exception as e:
         yield sse(json.dumps(from_engine_error(e).body()))
     yield SSE_DONE

@@ -149,14 +149,20 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def usage(outs: Sequence[RequestOutput]) -> UsageInfo:
+    """The usage of finished requests."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     cached = sum(o.metrics.num_cached_tokens for o in outs if o.metrics is not None)
+    return usage_info(prompt, completion, cached)
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    """OpenAI's usage object (also the running one of `continuous_usage_stats`)."""
     return UsageInfo(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details={"cached_tokens": cached},
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details={"cached_tokens": cached_tokens},
     )
 
 

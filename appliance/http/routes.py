@@ -18,7 +18,7 @@ from appliance.http.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from appliance.http.serving import offload_if_large, state_of
+from appliance.http.serving import state_of
 
 
 def _json(model) -> JSONResponse:
@@ -82,11 +82,13 @@ async def tokenize(request: Request) -> Response:
         if not req.messages:
             raise bad_request("messages must not be empty", "messages")
         size = sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
-        tokens = await offload_if_large(
+        tokens = await state.aeng.offload_if_large(
             size, render_chat, state, req.messages, req.add_generation_prompt
         )
     else:
-        tokens = await offload_if_large(len(req.prompt), state.aeng.tokenizer.encode, req.prompt)
+        tokens = await state.aeng.offload_if_large(
+            len(req.prompt), state.aeng.tokenizer.encode, req.prompt
+        )
     return _json(
         TokenizeResponse(count=len(tokens), max_model_len=state.aeng.max_model_len, tokens=tokens)
     )

@@ -35,8 +35,7 @@ from appliance.http.protocol import (
 from appliance.http.tracing_hook import HttpRequestTracer
 from appliance.metrics import ApplianceMetrics
 from engine.async_engine import AsyncEngine
-from engine.core.step_io import TokenLogprobs
-from engine.output.request_output import RequestOutput
+from engine.output.request_output import RequestDelta, RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
@@ -100,18 +99,6 @@ async def begin(request: Request, model: type[R]) -> tuple[float, AppState, R, S
     return arrival, state, req, convert.sampling_params(req)  # type: ignore[arg-type]
 
 
-# Inputs bigger than this (characters) are tokenized off the event loop.
-OFFLOAD_CHARS = 16_384
-
-
-async def offload_if_large(size: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """Runs `fn` inline when cheap, in a worker thread when `size` says it may take a while,
-    so one huge prompt cannot stall every other stream on the event loop."""
-    if size > OFFLOAD_CHARS:
-        return await asyncio.to_thread(fn, *args, **kw)
-    return fn(*args, **kw)
-
-
 async def submit(
     state: AppState,
     prompts: Sequence[str | list[int]],
@@ -160,8 +147,8 @@ def abort_all(streams: Sequence[RequestStream]) -> None:
         s.abort()
 
 
-async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams as they arrive; engine errors -> APIError."""
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(prompt index, delta) from several streams as they arrive; engine errors -> APIError."""
     try:
         if len(streams) == 1:
             async for out in streams[0]:
@@ -200,11 +187,10 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
 
 
 async def collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
-    """The final output of every stream."""
-    finals: list[Any] = [None] * len(streams)
-    async for i, out in merged(streams):
-        finals[i] = out
-    return finals
+    """The whole output of every stream, built once each streams ends."""
+    async for _ in merged(streams):
+        pass
+    return [s.output() for s in streams]
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -335,12 +321,16 @@ def whole_body(cls: type[E], rid: str, model: str, choices: list, usage: UsageIn
 
 
 class ChunkWriter:
-    """The SSE events of one streamed answer, chat or text: the same envelope rules for both,
-    and the same bookkeeping of what each choice has been sent so far.
+    """The SSE events of one streamed answer, chat or text: the same envelope rules for both.
 
-    Each chunk names its `object` explicitly (chunks are dumped with exclude_unset) and
-    carries `"usage": null` when usage was asked for; the usage chunk has no choices and is
-    dumped whole. `created` is fixed when the stream starts.
+    The choices come from the engine's deltas as they are (each piece of text, token and
+    logprob once; each choice's finish_reason once), so nothing here remembers what was
+    sent, except each choice's text length for the legacy logprobs' `text_offset`.
+
+    Each chunk names its `object` explicitly (chunks are dumped with exclude_unset). With
+    `stream_options.include_usage` each chunk carries `"usage": null` and a last chunk with
+    no choices the totals; with `continuous_usage_stats` as well, each chunk carries the
+    usage so far instead (as vLLM does). `created` is fixed when the stream starts.
     """
 
     def __init__(
@@ -349,36 +339,25 @@ class ChunkWriter:
         rid: str,
         model: str,
         stream_options: StreamOptions | None,
+        streams: Sequence[RequestStream],
     ):
         self.cls = cls
         self.rid = rid
         self.created = int(time.time())
         self.model = model
         self.include_usage = bool(stream_options and stream_options.include_usage)
-        self._sent_text: dict[int, int] = {}
-        self._sent_lps: dict[int, int] = {}
-        self._finished: set[int] = set()
+        self.continuous_usage = self.include_usage and bool(
+            stream_options and stream_options.continuous_usage_stats
+        )
+        self._streams = streams
+        self._completion_tokens = 0  # in the deltas taken so far
+        self._chars: dict[int, int] = {}
 
-    def text_delta(self, index: int, text: str) -> str:
-        """The text of choice `index` not sent yet (the engine's text only ever grows)."""
-        delta = text[self._sent_text.get(index, 0) :]
-        self._sent_text[index] = len(text)
-        return delta
-
-    def finish_reason(self, index: int, reason: str | None) -> str | None:
-        """`reason` the first time choice `index` reports one, then None: a finished choice
-        of an n > 1 (or multi-prompt) stream gets exactly one chunk with its finish_reason,
-        not one more each time another choice produces output."""
-        if reason is None or index in self._finished:
-            return None
-        self._finished.add(index)
-        return reason
-
-    def logprobs_delta(self, index: int, logprobs: list[TokenLogprobs]) -> list[TokenLogprobs]:
-        """The logprobs of choice `index` not sent yet."""
-        start = self._sent_lps.get(index, 0)
-        self._sent_lps[index] = len(logprobs)
-        return logprobs[start:]
+    def text_offset(self, index: int, text: str) -> int:
+        """Where `text`, the next piece of choice `index`, starts in that choice's text."""
+        start = self._chars.get(index, 0)
+        self._chars[index] = start + len(text)
+        return start
 
     def _body(self, choices: list, **kw: Any) -> CompletionEnvelope:
         obj = self.cls.model_fields["object"].default
@@ -386,11 +365,22 @@ class ChunkWriter:
             object=obj, id=self.rid, created=self.created, model=self.model, choices=choices, **kw
         )
 
+    def took(self, delta: RequestDelta) -> None:
+        """Counts a delta's tokens into the usage so far (tokens with no text yet too)."""
+        self._completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+
     def chunk(self, choices: list) -> str:
         body = self._body(choices)
-        if self.include_usage:
+        if self.continuous_usage:
+            body.usage = self._usage_so_far()
+        elif self.include_usage:
             body.usage = None
         return sse(body.model_dump_json(exclude_unset=True))
+
+    def _usage_so_far(self) -> UsageInfo:
+        prompt = sum(s.num_prompt_tokens for s in self._streams)
+        cached = sum(s.counts().cached_tokens for s in self._streams)
+        return convert.usage_info(prompt, self._completion_tokens, cached)
 
     def usage(self, usage: UsageInfo) -> str:
         return sse(self._body([], usage=usage).model_dump_json())

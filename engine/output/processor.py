@@ -1,9 +1,11 @@
-"""Turns scheduler updates into `RequestOutput`s: detokenization, stop strings, logprobs, n > 1.
+"""Turns scheduler updates into `RequestDelta`s: detokenization, stop strings, logprobs, n > 1.
 
 A user request with `n` samples is a *group* of `n` engine `Request`s. This module keeps one
-incremental detokenizer per sample, gathers logprobs, and reports the group as one
-`RequestOutput` whose text only ever grows (text that may still turn into a stop string is
-held back until it is resolved), so a streaming frontend can send `text[len(sent):]`.
+incremental detokenizer per sample and reports, per step, only what each sample gained:
+new token ids, new text (text that may still turn into a stop string is held back until it
+is resolved) and new logprobs, plus the sample's finish once (see `request_output` for the
+delta contract). Nothing already reported is copied again, so a stream costs time linear
+in its length.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from engine.core.request import Request, RequestStatus
 from engine.core.step_io import RunnerOutput, TokenLogprobs
 from engine.output.detokenizer import IncrementalDetokenizer
-from engine.output.request_output import CompletionOutput, RequestMetrics, RequestOutput
+from engine.output.request_output import RequestDelta, RequestMetrics, SampleDelta
 from engine.output.tokenizer import Tokenizer
 
 
@@ -21,10 +23,12 @@ from engine.output.tokenizer import Tokenizer
 class SampleState:
     request: Request
     detokenizer: IncrementalDetokenizer
-    text: str = ""
+    text: str = ""  # text released by the detokenizer, not reported yet
     num_seen_tokens: int = 0
-    logprobs: list[TokenLogprobs] | None = None
+    num_sent_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # not reported yet; None: not asked for
     cumulative_logprob: float | None = None
+    finish_sent: bool = False
 
 
 @dataclass
@@ -35,65 +39,73 @@ class RequestGroup:
     samples: list[SampleState]
     prompt_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
-    _finished_emitted: bool = field(default=False)
+    _first_sent: bool = field(default=False)
 
     @property
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.samples)
 
-    def to_output(self) -> RequestOutput:
+    def take_delta(self) -> RequestDelta:
+        """What the group gained since the previous call (the first call adds the prompt)."""
         outs = []
         for i, s in enumerate(self.samples):
-            req = s.request
-            outs.append(
-                CompletionOutput(
-                    index=i,
-                    text=s.text,
-                    token_ids=list(req.output_token_ids),
-                    cumulative_logprob=s.cumulative_logprob,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                    finish_reason=req.status.finish_reason,
-                    stop_reason=req.stop_reason,
-                )
-            )
-        lead = self.samples[0].request
-        t = lead.times
-        metrics = RequestMetrics(
-            arrival_time=t.arrival,
+            d = _take_sample_delta(i, s)
+            if d is not None:
+                outs.append(d)
+        finished = self.finished
+        delta = RequestDelta(self.request_id, outs, finished, error=self.error)
+        if not self._first_sent:
+            self._first_sent = True
+            delta.prompt, delta.prompt_token_ids = self.prompt, self.prompt_token_ids
+            if self.prompt_logprobs is not None:
+                delta.prompt_logprobs = [None, *self.prompt_logprobs]
+            delta.metrics = self._metrics()
+        elif finished:
+            delta.metrics = self._metrics()
+        return delta
+
+    def _metrics(self) -> RequestMetrics:
+        samples = [s.request for s in self.samples]
+        times = [r.times for r in samples]
+        return RequestMetrics(
+            arrival_time=times[0].arrival,
             first_scheduled_time=min(
-                (
-                    s.request.times.first_scheduled
-                    for s in self.samples
-                    if s.request.times.first_scheduled
-                ),
-                default=None,
+                (t.first_scheduled for t in times if t.first_scheduled), default=None
             ),
-            first_token_time=min(
-                (s.request.times.first_token for s in self.samples if s.request.times.first_token),
-                default=None,
-            ),
-            last_token_time=max(
-                (s.request.times.last_token for s in self.samples if s.request.times.last_token),
-                default=None,
-            ),
-            finished_time=max((s.request.times.finished or 0.0 for s in self.samples), default=None)
-            or None,
-            preempted_times=sorted(p for s in self.samples for p in s.request.times.preempted),
-            num_cached_tokens=lead.num_cached_tokens,
+            first_token_time=min((t.first_token for t in times if t.first_token), default=None),
+            last_token_time=max((t.last_token for t in times if t.last_token), default=None),
+            finished_time=max((t.finished or 0.0 for t in times), default=None) or None,
+            preempted_times=sorted(p for t in times for p in t.preempted),
+            num_cached_tokens=samples[0].num_cached_tokens,
         )
-        plp = None
-        if self.prompt_logprobs is not None:
-            plp = [None, *self.prompt_logprobs]
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=outs,
-            finished=self.finished,
-            prompt_logprobs=plp,
-            metrics=metrics,
-            error=self.error,
-        )
+
+
+def _take_sample_delta(index: int, s: SampleState) -> SampleDelta | None:
+    req = s.request
+    finish = req.status.finish_reason if req.is_finished and not s.finish_sent else None
+    new_ids = (
+        req.output_token_ids[s.num_sent_tokens :]
+        if s.num_sent_tokens < req.num_output_tokens
+        else []
+    )
+    if not (new_ids or s.text or s.logprobs or finish):
+        return None
+    s.num_sent_tokens += len(new_ids)
+    lps, text = s.logprobs, s.text
+    if lps is not None:
+        s.logprobs = []
+    s.text = ""
+    if finish is not None:
+        s.finish_sent = True
+    return SampleDelta(
+        index=index,
+        text=text,
+        token_ids=new_ids,
+        logprobs=lps,
+        cumulative_logprob=s.cumulative_logprob,
+        finish_reason=finish,
+        stop_reason=req.stop_reason if finish is not None else None,
+    )
 
 
 class OutputProcessor:
@@ -143,7 +155,7 @@ class OutputProcessor:
         """Returns the ids of groups that progressed and the stop strings the detokenizer
         found, as (sample request, stop string) pairs. This module never writes a request's
         status: the caller reports each stop string to the scheduler
-        (`Scheduler.stop_on_string`), then calls `finalize_stop` for each, then `output_for`
+        (`Scheduler.stop_on_string`), then calls `finalize_stop` for each, then `delta_for`
         per group."""
         step_lp: dict[str, TokenLogprobs | None] = {}
         if runner_output.logprobs is not None:
@@ -191,16 +203,14 @@ class OutputProcessor:
         self._drain_text(sample)
 
     def _drain_text(self, sample: SampleState) -> None:
-        """Moves new text into `sample.text`; a finished sample's detokenizer is flushed
-        (by `process`, or by its stop string)."""
-        if sample.request.is_finished:
-            sample.text = sample.detokenizer.output_text
-        else:
-            sample.text += sample.detokenizer.get_delta()
+        """Moves the text the detokenizer released into the sample's unsent text (a
+        finished sample's detokenizer was flushed by `process` or by its stop string)."""
+        sample.text += sample.detokenizer.get_delta()
 
-    def output_for(self, request_id: str) -> RequestOutput | None:
+    def delta_for(self, request_id: str) -> RequestDelta | None:
+        """What the group gained since its previous delta."""
         group = self.groups.get(request_id)
-        return group.to_output() if group else None
+        return group.take_delta() if group else None
 
 
 def _ends_on_stop_token(req: Request) -> bool:

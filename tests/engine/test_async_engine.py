@@ -24,25 +24,25 @@ def run(coro):
 
 
 async def _collect(aeng: AsyncEngine, prompt, **kw):
-    outs = [o async for o in aeng.generate(prompt, SamplingParams(**kw))]
-    return outs
+    """The request's whole output, summed from the deltas its stream hands out."""
+    stream = await aeng.add_request(prompt, SamplingParams(**kw))
+    return await stream.result()
 
 
-def test_generate_streams_cumulative_outputs_until_finished_on_the_engine_thread():
+def test_generate_streams_deltas_until_finished_on_the_engine_thread():
     fake = FakeLLMEngine()
     aeng = AsyncEngine(fake)
 
     async def main():
-        outs = await _collect(aeng, "hi", max_tokens=3)
+        deltas = [d async for d in aeng.generate("hi", SamplingParams(max_tokens=3))]
         await aeng.shutdown()
-        return outs
+        return deltas
 
-    outs = run(main())
-    assert outs[-1].finished and outs[-1].outputs[0].text == "cde"
-    assert all(
-        len(a.outputs[0].token_ids) <= len(b.outputs[0].token_ids)
-        for a, b in zip(outs, outs[1:], strict=False)
-    )
+    deltas = run(main())
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert "".join(d.outputs[0].text for d in deltas) == "cde"
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == [ord(c) for c in "cde"]
+    assert [d.outputs[0].finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["length"]
     assert threading.get_ident() not in fake.thread_ids and len(fake.thread_ids) == 1
 
 
@@ -56,10 +56,47 @@ def test_many_concurrent_requests_each_get_their_own_output():
         await aeng.shutdown()
         return res
 
-    for i, outs in enumerate(run(main()), start=1):
-        assert outs[-1].finished
-        assert len(outs[-1].outputs[0].token_ids) == 2 + i % 3
-        assert outs[-1].prompt_token_ids == [ord("x")] * i
+    for i, out in enumerate(run(main()), start=1):
+        assert out.finished
+        assert len(out.outputs[0].token_ids) == 2 + i % 3
+        assert out.prompt_token_ids == [ord("x")] * i
+
+
+def test_a_consumer_that_falls_behind_gets_its_pending_deltas_coalesced_not_dropped():
+    fake = FakeLLMEngine()
+    aeng = AsyncEngine(fake)
+    gate = StepGate(fake, permits=1)
+    k = 5  # steps the consumer does not read
+
+    async def main():
+        stream = await aeng.add_request("hi", SamplingParams(n=2, max_tokens=k + 1))
+        first = await stream.__anext__()  # step 1
+        gate.allow(k)
+        await wait_for_async(lambda: gate.steps == 1 + k, "k more steps")
+        # Acknowledged in a later engine iteration than the k steps' deliveries, so by the
+        # time it returns every one of them has reached the stream.
+        marker = await aeng.add_request("z", SamplingParams(max_tokens=1))
+        rest = await stream.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        marker.abort()
+        await aeng.shutdown()
+        return first, rest, stream.output()
+
+    first, rest, whole = run(main())
+
+    def token(sample: int, position: int) -> int:  # the fake's tokens for prompt "hi"
+        return ord("a") + (2 + position + sample) % 26
+
+    assert [(s.index, s.token_ids) for s in first.outputs] == [
+        (0, [token(0, 0)]),
+        (1, [token(1, 0)]),
+    ]
+    assert rest.finished and [s.index for s in rest.outputs] == [0, 1]  # one item per choice
+    for s in rest.outputs:
+        assert s.token_ids == [token(s.index, j) for j in range(1, k + 1)]  # all k, in order
+        assert s.text == "".join(map(chr, s.token_ids)) and s.finish_reason == "length"
+    assert [len(c.token_ids) for c in whole.outputs] == [k + 1, k + 1]
 
 
 def test_invalid_request_raises_before_streaming():
@@ -121,14 +158,14 @@ def test_queue_full_is_refused_and_running_requests_are_unaffected():
         with pytest.raises(QueueFullError):
             await aeng.add_request("c", SamplingParams(max_tokens=2))
         gate.open()
-        outs = await first
-        second_outs = [o async for o in second]
+        out = await first
+        second_out = await second.result()
         await aeng.shutdown()
-        return outs, second_outs
+        return out, second_out
 
-    outs, second_outs = run(main())
-    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 20
-    assert second_outs[-1].finished
+    out, second_out = run(main())
+    assert out.finished and len(out.outputs[0].token_ids) == 20
+    assert second_out.finished
 
 
 def test_failing_step_fails_requests_in_flight_and_the_engine_keeps_serving():
@@ -146,7 +183,7 @@ def test_failing_step_fails_requests_in_flight_and_the_engine_keeps_serving():
         await aeng.shutdown()
         return outs
 
-    assert run(main())[-1].finished
+    assert run(main()).finished
     assert [f.finish_reason for f in finished] == ["error", "length"]
     assert aeng.num_failed_steps == 1
 
@@ -183,7 +220,7 @@ def test_shutdown_lets_in_flight_requests_finish_within_the_grace_period():
             await aeng.add_request("hi", SamplingParams())
         return await task
 
-    assert run(main())[-1].finished
+    assert run(main()).finished
 
 
 def test_shutdown_aborts_what_outlives_the_grace_period():
@@ -213,7 +250,7 @@ def test_two_event_loops_share_one_engine():
     t.start()
     mine = run(_collect(aeng, "ab", max_tokens=4))
     t.join(HANG_S)
-    assert mine[-1].finished and results[0][-1].finished
+    assert mine.finished and results[0].finished
     run(aeng.shutdown())
 
 
@@ -253,7 +290,7 @@ def test_real_engine_concurrent_greedy_matches_transformers(tiny_llama_dir, hf_g
         res = await asyncio.gather(*[_collect(aeng, p, **params.__dict__) for p in prompts])
         await _wait_kv_free(aeng)
         await aeng.shutdown()
-        return [outs[-1].outputs[0].token_ids for outs in res]
+        return [out.outputs[0].token_ids for out in res]
 
     assert run(main()) == hf_greedy(tiny_llama_dir, prompts, 6, ignore_eos=True)
 
@@ -296,4 +333,4 @@ def test_real_engine_step_failure_fails_the_request_and_frees_its_blocks(tiny_ll
         await aeng.shutdown()
         return outs
 
-    assert len(run(main())[-1].outputs[0].token_ids) == 3
+    assert len(run(main()).outputs[0].token_ids) == 3

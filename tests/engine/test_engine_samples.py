@@ -6,6 +6,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.request import RequestStatus
+from tests.support.offline import run_to_finals
 
 SEEDED = SamplingParams(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True)
 
@@ -20,12 +21,7 @@ def small_pool(tiny_llama_dir) -> LLM:
 
 
 def _drain(eng) -> dict[str, list[int]]:
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
+    return {rid: out.outputs[0].token_ids for rid, out in run_to_finals(eng).items()}
 
 
 def test_id_reused_after_aborting_a_preempted_seeded_request_samples_afresh(small_pool):

@@ -78,7 +78,7 @@ def test_processor_reports_a_stop_string_and_the_scheduler_sets_status(tiny_llam
     assert req.status is RequestStatus.FINISHED_LENGTH and req.stop_reason is None
     sched.stop_on_string(req, "%")
     processor.finalize_stop("r")
-    out = processor.output_for("r").outputs[0]
+    out = processor.delta_for("r").outputs[0]
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", "%", "")
 
 

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from tests.support.offline import run_to_finals
 from tests.support.served_stack import tiny_engine
 
 MAX_MODEL_LEN = 48
@@ -94,13 +95,9 @@ def _run_batch(engine: Any, batch: list[tuple[Any, dict[str, Any]]]) -> dict[str
             continue
         accepted[f"fuzz-{i}"] = params
     finals: dict[str, Any] = {}
-    for _ in range(MAX_STEPS):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            assert out.error is None, out.error
-            if out.finished:
-                finals[out.request_id] = (out, accepted[out.request_id])
+    for rid, out in run_to_finals(engine, MAX_STEPS).items():
+        assert out.error is None, out.error
+        finals[rid] = (out, accepted[rid])
     assert not engine.has_unfinished_requests(), "requests still running after MAX_STEPS"
     assert set(finals) == set(accepted)
     return finals

@@ -128,3 +128,33 @@ def test_chat_applies_template(llm):
     msgs = [{"role": "user", "content": "Hello"}]
     out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0]
     assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(msgs)
+
+
+def _emitted(llm: LLM, max_tokens: int) -> tuple[int, int, str]:
+    """(token ids + logprobs, text characters) in everything `step()` returned for one
+    request, and that request's text (the deltas' texts joined)."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    eng.add_request("linear", [5, 6, 7], params)
+    items = chars = 0
+    ids, texts = [], []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            for c in out.outputs:
+                items += len(c.token_ids) + len(c.logprobs or [])
+                chars += len(c.text)
+                ids += c.token_ids
+                texts.append(c.text)
+    assert len(ids) == max_tokens and "".join(texts) == llm.tokenizer.decode(ids)
+    return items, chars, "".join(texts)
+
+
+def test_a_streams_total_output_grows_linearly_with_its_length(llm):
+    n = 24
+    small_items, small_chars, small_text = _emitted(llm, n)
+    big_items, big_chars, big_text = _emitted(llm, 2 * n)
+    # Each token id and logprob is returned once: twice the tokens, twice the items (an
+    # output copied whole every step would give about four times as many).
+    assert (small_items, big_items) == (2 * n, 4 * n)
+    # and each character of text once
+    assert (small_chars, big_chars) == (len(small_text), len(big_text))

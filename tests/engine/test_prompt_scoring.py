@@ -12,6 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.output.request_output import RequestOutput
 from engine.sampling_params import SamplingParamsError
+from tests.support.offline import run_to_finals
 
 PROMPT = [17, 302, 45, 9, 250, 33, 71, 120, 8, 64, 199, 5, 77, 310]  # 14 tokens: 3 full blocks
 
@@ -37,13 +38,7 @@ def _run(llm: LLM, rid: str, params: SamplingParams, **kw) -> RequestOutput:
     """One request through the engine's own loop (so `cache_salt` can be passed)."""
     eng = llm.engine
     eng.add_request(rid, {"prompt_token_ids": PROMPT}, params, **kw)
-    final = None
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.request_id == rid and out.finished:
-                final = out
-    assert final is not None
-    return final
+    return run_to_finals(eng)[rid]
 
 
 def _scores(out: RequestOutput) -> list[float]:

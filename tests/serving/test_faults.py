@@ -178,9 +178,9 @@ def test_only_the_failed_steps_requests_fail_with_the_fake_engine() -> None:
                 pass
         except RequestFailedError as e:
             failed = e
-        outs = [o async for o in second]
+        out = await second.result()
         await aeng.shutdown()
-        return failed, len(outs[-1].outputs[0].token_ids)
+        return failed, len(out.outputs[0].token_ids)
 
     failed, second_tokens = asyncio.run(asyncio.wait_for(main(), HANG_S))
     assert isinstance(failed, RequestFailedError) and second_tokens == 3
@@ -193,7 +193,9 @@ def test_only_the_failed_steps_requests_fail_with_the_real_engine(tiny_llama_dir
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     async def main() -> tuple[bool, list[int], list[int]]:
-        reference = [o async for o in aeng.generate([5, 6, 7], params)][-1].outputs[0].token_ids
+        reference = (
+            (await (await aeng.add_request([5, 6, 7], params)).result()).outputs[0].token_ids
+        )
         gate = StepGate(llm, permits=1)  # the running request gets one step, then is held
         running = await aeng.add_request([8, 9], SamplingParams(max_tokens=50, ignore_eos=True))
         waiting = await aeng.add_request([5, 6, 7], params)
@@ -206,7 +208,7 @@ def test_only_the_failed_steps_requests_fail_with_the_real_engine(tiny_llama_dir
             running_failed = False
         except RequestFailedError:
             running_failed = True
-        got = [o async for o in waiting][-1].outputs[0].token_ids
+        got = (await waiting.result()).outputs[0].token_ids
         await aeng.shutdown()
         return running_failed, got, reference
 

@@ -99,6 +99,30 @@ def test_chat_streamed_equals_non_streamed_and_ends_with_usage(served):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(served, route):
+    kw = dict(
+        model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )  # fmt: skip
+    if route == "chat":
+        chunks = list(served.client.chat.completions.create(messages=MSGS, **kw))
+        prompt = httpx.post(f"{served.url}/tokenize", json={"messages": MSGS}).json()["count"]
+    else:
+        chunks = list(served.client.completions.create(prompt="Once upon a time", **kw))
+        prompt = httpx.post(f"{served.url}/tokenize", json={"prompt": "Once upon a time"})
+        prompt = prompt.json()["count"]
+    assert all(c.usage is not None for c in chunks), [c.usage for c in chunks]
+    assert {c.usage.prompt_tokens for c in chunks} == {prompt}
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done == sorted(done) and done[-1] == 6
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chunks)
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].usage.completion_tokens == 6
+    if route == "chat":  # the role chunk comes before any token
+        assert chunks[0].choices[0].delta.role == "assistant" and done[0] == 0
+
+
 def test_completions_streamed_equals_non_streamed(served):
     kw = dict(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0)
     whole = served.client.completions.create(**kw, extra_body={"ignore_eos": True})

@@ -34,6 +34,7 @@ from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
 from engine.async_engine import AsyncEngine, FinishedRequest
 from engine.sampling_params import SamplingParams
+from tests.support.offline import run_to_finals
 from tests.support.served_stack import (
     Stack,
     live_threads,
@@ -72,12 +73,8 @@ def _greedy() -> SamplingParams:
 def _offline(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
     for i, p in enumerate(prompts):
         llm.add_request(f"ref-{i}", p, _greedy())
-    done: dict[str, list[int]] = {}
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"ref-{i}"] for i in range(len(prompts))]
+    done = run_to_finals(llm)
+    return [done[f"ref-{i}"].outputs[0].token_ids for i in range(len(prompts))]
 
 
 def test_preemption_storm_completes_everything_with_unconstrained_greedy_output(
@@ -98,9 +95,9 @@ def test_preemption_storm_completes_everything_with_unconstrained_greedy_output(
     gate = StepGate(tight)  # held until every request is queued: the same storm on any box
 
     async def one(i: int) -> list[int]:
-        outs = [o async for o in aeng.generate(prompts[i], _greedy(), f"storm-{i}")]
-        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
-        return outs[-1].outputs[0].token_ids
+        out = await (await aeng.add_request(prompts[i], _greedy(), f"storm-{i}")).result()
+        assert out.finished and out.outputs[0].finish_reason == "length"
+        return out.outputs[0].token_ids
 
     async def main() -> list[list[int]]:
         try:
@@ -150,8 +147,9 @@ class NoLastToken:
 
     def _counting_step(self) -> list:
         outs = self._step()
-        for o in outs:
-            self.tokens[o.request_id] = max(len(c.token_ids) for c in o.outputs)
+        for o in outs:  # deltas: count each request's tokens so far (its samples in step)
+            new = max((len(c.token_ids) for c in o.outputs), default=0)
+            self.tokens[o.request_id] = self.tokens.get(o.request_id, 0) + new
         return outs
 
     def _one_short(self) -> bool:  # engine thread

@@ -285,9 +285,7 @@ def test_http_request_through_the_asgi_middleware_exports_over_otlp_http(
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
     async def complete(request: Request) -> JSONResponse:
-        last = None
-        async for out in h.engine.generate("Hello", params, "http-1"):
-            last = out
+        last = await (await h.engine.add_request("Hello", params, "http-1")).result()
         record_request_span(tracing, request.headers, last, operation="text_completion",
                             model="m", params=params)  # fmt: skip
         return JSONResponse({"text": last.outputs[0].text})

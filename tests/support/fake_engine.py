@@ -3,7 +3,7 @@
 Used where a test needs what the real engine can't give on demand: a step that raises, a
 queue that stays full (with `tests.support.waiting.StepGate` holding its steps). Each running
 request gets one token per step; token ids are letters ('a' + (prompt_len + i) % 26), so
-texts are predictable.
+texts are predictable. Like LLMEngine, `step` returns per-step `RequestDelta`s.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from engine.errors import InvalidRequestError, QueueFullError
-from engine.output.request_output import CompletionOutput, RequestMetrics, RequestOutput
+from engine.output.request_output import RequestDelta, RequestMetrics, SampleDelta
 from engine.sampling_params import SamplingParams
 
 
@@ -62,6 +62,12 @@ class _Req:
     arrival: float
     out: list[list[int]] = field(default_factory=list)
     first_token: float | None = None
+    num_sent: int = 0  # tokens per sample already in a delta
+    first_sent: bool = False
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.ids
 
 
 class FakeLLMEngine:
@@ -123,22 +129,26 @@ class FakeLLMEngine:
         self.running = [r for r in self.running if r.request_id not in ids]
         self.waiting = [r for r in self.waiting if r.request_id not in ids]
 
-    def _output(self, r: _Req, finished: bool, error: str | None = None) -> RequestOutput:
+    def _delta(self, r: _Req, finished: bool, error: str | None = None) -> RequestDelta:
+        reason = "error" if error else "length" if finished else None
         outs = []
         for i, toks in enumerate(r.out):
-            reason = None
-            if error:
-                reason = "error"
-            elif finished:
-                reason = "length"
-            outs.append(
-                CompletionOutput(i, self.tokenizer.decode(toks), list(toks), finish_reason=reason)
-            )
+            new = toks[r.num_sent :]
+            if new or reason:
+                text = self.tokenizer.decode(new)
+                outs.append(SampleDelta(i, text, list(new), finish_reason=reason))
+        r.num_sent = len(r.out[0]) if r.out else 0
         now = time.monotonic()
         m = RequestMetrics(r.arrival, r.arrival, r.first_token, now, now if finished else None)
-        return RequestOutput(r.request_id, r.prompt, r.ids, outs, finished, metrics=m, error=error)
+        delta = RequestDelta(r.request_id, outs, finished, error=error)
+        if not r.first_sent or finished:
+            delta.metrics = m
+        if not r.first_sent:
+            r.first_sent = True
+            delta.prompt, delta.prompt_token_ids = r.prompt, r.ids
+        return delta
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         self.thread_ids.add(threading.get_ident())
         while self.waiting and len(self.running) < self.config.scheduler.max_num_seqs:
             self.running.append(self.waiting.pop(0))
@@ -154,17 +164,17 @@ class FakeLLMEngine:
             done = len(r.out[0]) >= r.max_tokens
             if done:
                 self.running.remove(r)
-            results.append(self._output(r, done))
+            results.append(self._delta(r, done))
         return results
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        outs = [self._output(r, True, message) for r in self.running + self.waiting]
+    def fail_all(self, message: str) -> list[RequestDelta]:
+        outs = [self._delta(r, True, message) for r in self.running + self.waiting]
         self.running, self.waiting = [], []
         return outs
 
-    def fail_step(self, message: str) -> list[RequestOutput]:
+    def fail_step(self, message: str) -> list[RequestDelta]:
         """Fails the batch of the step that raised (every running request); waiting ones stay."""
-        outs = [self._output(r, True, message) for r in self.running]
+        outs = [self._delta(r, True, message) for r in self.running]
         self.running = []
         return outs
 

@@ -20,6 +20,7 @@ from appliance.grpc.server import GrpcSettings, start_grpc_server
 from appliance.telemetry import Tracing
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
+from tests.support.offline import run_to_finals
 from tests.support.waiting import HANG_S
 
 T = TypeVar("T")
@@ -91,9 +92,6 @@ def offline_greedy(llm_engine: Any, prompts: list, max_tokens: int) -> list[tupl
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         llm_engine.add_request(f"offline-{i}", p, params)
-    done = {}
-    while llm_engine.has_unfinished_requests():
-        for out in llm_engine.step():
-            if out.finished:
-                done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].text)
-    return [done[f"offline-{i}"] for i in range(len(prompts))]
+    done = run_to_finals(llm_engine)
+    outs = [done[f"offline-{i}"].outputs[0] for i in range(len(prompts))]
+    return [(c.token_ids, c.text) for c in outs]

@@ -10,16 +10,7 @@ import pytest
 import torch
 
 from graphs.cuda_graphs import BucketGraphs
-
-
-class _ReplayGraph:
-    def __init__(self, body):
-        self.body = body
-        self.replays = 0
-
-    def replay(self):
-        self.replays += 1
-        self.body()
+from tests.support.fake_graphs import ReplayGraph
 
 
 def test_buckets_are_captured_largest_first_into_one_pool_and_replayed():
@@ -28,7 +19,7 @@ def test_buckets_are_captured_largest_first_into_one_pool_and_replayed():
 
     def factory(body, pool):
         pools.append(pool)
-        return _ReplayGraph(body), pool or "shared-pool"
+        return ReplayGraph(body), pool or "shared-pool"
 
     def prepare(bucket):
         events.append(("prepare", bucket))

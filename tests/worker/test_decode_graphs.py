@@ -28,6 +28,7 @@ from engine.worker.decode_graphs import (
 from engine.worker.models.loader import load_model
 from graphs.buckets import PAD_BLOCK, PAD_SEQ_LEN, PAD_SLOT, StaticDecodeInputs
 from tests.support.fake_flashinfer import fake_backend
+from tests.support.fake_graphs import ReplayGraph
 from tests.support.paged_harness import PagedRun, build_metadata
 
 SIZES = (1, 2, 4, 8)
@@ -221,24 +222,12 @@ def test_graph_mode_needs_cuda_or_a_factory_and_a_graph_safe_backend(model):
                     max_blocks_per_seq=4, use_graphs=True, graph_factory=lambda b, p: (b, p))  # fmt: skip
 
 
-class _ReplayGraph:
-    """A 'graph' that re-runs its body on replay (what a CUDA graph does, minus the speed)."""
-
-    def __init__(self, body):
-        self.body = body
-        self.replays = 0
-
-    def replay(self):
-        self.replays += 1
-        self.body()
-
-
 def test_capture_largest_first_and_replay_after_plan_with_flashinfer_hooks(model):
     """The GPU control flow on the CPU: stand-in graphs and the stand-in FlashInfer module."""
     captured, pools = [], []
 
     def factory(body, pool):
-        graph = _ReplayGraph(body)
+        graph = ReplayGraph(body)
         captured.append(graph)
         pools.append(pool)
         return graph, pool or "shared-pool"

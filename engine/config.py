@@ -87,6 +87,13 @@ class SchedulerConfig:
     max_queue_len: int = 1024
     # Upper bound on `n` (parallel samples) per request.
     max_n: int = 16
+    # Stop conditions one request may set; more is refused at admission (HTTP 400 /
+    # INVALID_ARGUMENT naming `stop` or `stop_token_ids`). Stop strings cost every sample
+    # O(their total length) per generated token, stop ids O(1) (a set), and the min_tokens
+    # mask O(distinct ids) per step.
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 1024
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1")
@@ -100,6 +107,8 @@ class SchedulerConfig:
         )
         _require(self.max_queue_len >= 1, "scheduler.max_queue_len", "must be >= 1")
         _require(self.max_n >= 1, "scheduler.max_n", "must be >= 1")
+        for key in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids"):
+            _require(getattr(self, key) >= 1, f"scheduler.{key}", "must be >= 1")
 
 
 @dataclass(frozen=True)

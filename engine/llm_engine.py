@@ -136,6 +136,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"n must be at most {self.config.scheduler.max_n}, got {params.n}", "n"
             )
+        admission.check_stop_limits(params, self.config.scheduler)
         params.validate_vocab(self.vocab_size)  # SamplingParamsError is an InvalidRequestError
         kv = self.kv_manager
         max_tokens = admission.fit_lengths(

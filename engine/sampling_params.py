@@ -30,6 +30,17 @@ def _check(cond: bool, param: str, reason: str) -> None:
         raise SamplingParamsError(reason, param)
 
 
+def _token_id_set(ids: object) -> frozenset[int]:
+    """`stop_token_ids` as a frozenset: one C-level pass over what the client sent (cheaper
+    than the parse that produced it); the checks then run over the distinct ids."""
+    if isinstance(ids, frozenset):
+        return ids
+    try:
+        return frozenset(ids or ())  # type: ignore[arg-type]
+    except TypeError:  # not iterable, or unhashable items
+        raise SamplingParamsError("must be a list of token ids", "stop_token_ids") from None
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -42,7 +53,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    # Held as a frozenset (duplicates merged) so the per-token stop check is O(1); any
+    # iterable of ids is accepted. Its size is bounded at admission (scheduler config).
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: up to max_model_len; 0 needs prompt_logprobs
@@ -58,7 +71,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = _token_id_set(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
@@ -102,7 +115,6 @@ class SamplingParams:
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )
-        _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

@@ -6,14 +6,17 @@ through these checks, so a limit and its message are written once:
 - `fit_lengths`: the request fits the model's context and, at its longest, the whole KV
   pool (so with preemption it can always finish, however busy the pool);
 - `check_new_id`: the id is not held already;
-- `check_queue_room`: the waiting queue has room for all of a request's samples.
+- `check_queue_room`: the waiting queue has room for all of a request's samples;
+- `check_stop_limits`: stop strings and stop token ids within the scheduler's bounds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container
 
+from engine.config import SchedulerConfig
 from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 def fit_lengths(
@@ -76,3 +79,28 @@ def check_queue_room(num_waiting: int, num_new: int, max_queue_len: int) -> None
     """Raises `QueueFullError` unless `num_new` more requests fit the waiting queue."""
     if num_waiting + num_new > max_queue_len:
         raise QueueFullError(f"the waiting queue is full ({max_queue_len} requests); retry later")
+
+
+def check_stop_limits(params: SamplingParams, limits: SchedulerConfig) -> None:
+    """Raises SamplingParamsError unless the stop conditions are within `limits`
+    (`scheduler.max_stop_*`).
+
+    Checked before anything is built from them: each sample's detokenizer works in time
+    and memory linear in the stop strings, and the min_tokens mask in the distinct ids.
+    """
+    stops, ids = params.stop, params.stop_token_ids
+    if len(stops) > limits.max_stop_strings:
+        raise SamplingParamsError(
+            f"at most {limits.max_stop_strings} stop strings, got {len(stops)}", "stop"
+        )
+    longest = max(map(len, stops), default=0)
+    if longest > limits.max_stop_string_chars:
+        raise SamplingParamsError(
+            f"a stop string may have at most {limits.max_stop_string_chars} characters, "
+            f"got one of {longest}",
+            "stop",
+        )
+    if len(ids) > limits.max_stop_token_ids:
+        raise SamplingParamsError(
+            f"at most {limits.max_stop_token_ids} distinct ids, got {len(ids)}", "stop_token_ids"
+        )

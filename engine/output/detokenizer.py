@@ -19,7 +19,10 @@ decodes only the window: O(new tokens), not O(output).
 
 Stop strings are searched in the newly decoded text plus the last (longest stop - 1)
 characters before it, so a stop string split over several tokens is found, and one in the
-prompt never is. The earliest match in the text wins.
+prompt never is. The earliest match in the text wins. While the text's tail could still
+become a stop string it is held back from `get_delta`; that tail is found by comparing
+against the stop strings in place, so a detokenizer keeps O(longest stop) characters of its
+own, and the stop strings themselves are the request's (shared by its samples).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.skip_special_tokens = params.skip_special_tokens
         self.spaces_between_special_tokens = params.spaces_between_special_tokens
-        self.stop: list[str] = list(params.stop)
+        # The request's own strings (shared by its samples, never copied per sample).
+        self.stop: tuple[str, ...] = tuple(params.stop)
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         # The stop string that ended the text, if any.
@@ -61,8 +65,6 @@ class IncrementalDetokenizer:
         max_stop = max((len(s) for s in self.stop), default=0)
         self._tail_len = max(max_stop - 1, 0)
         self._tail = ""  # the last _tail_len chars of the text, for matches across updates
-        # Proper prefixes of stop strings: a text tail in here might still become a stop.
-        self._stop_prefixes = {s[:k] for s in self.stop for k in range(1, len(s))}
         self._hold_for_stops = bool(self.stop) and not self.include_stop_str_in_output
 
         # Decoding window (see the module docstring).
@@ -229,8 +231,20 @@ class IncrementalDetokenizer:
         self._unsent = [pending] if pending else []
 
     def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-        for k in range(min(self._tail_len, len(text)), 0, -1):
-            if text[-k:] in self._stop_prefixes:
-                return k
-        return 0
+        """Length of the longest tail of `text` that is a proper prefix of a stop string.
+
+        Compares in place, so memory is the stop strings themselves: for each one, the
+        tails that could match start at an occurrence of its first character, and the
+        longest that does is the first found scanning from the left.
+        """
+        best = 0
+        for stop in self.stop:
+            # Tail lengths k in (best, len(stop) - 1]: starts in [len - len(stop) + 1, len - best).
+            end = len(text) - best
+            pos = text.find(stop[0], max(len(text) - len(stop) + 1, 0), end)
+            while pos >= 0:
+                if stop.startswith(text[pos:]):
+                    best = len(text) - pos
+                    break
+                pos = text.find(stop[0], pos + 1, end)
+        return best

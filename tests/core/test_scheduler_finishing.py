@@ -68,6 +68,39 @@ def test_stop_token_id_sets_stop_reason():
     assert (r.status, r.stop_reason) == (RequestStatus.FINISHED_STOPPED, 12)
 
 
+class _CountingIds(frozenset):
+    """A frozenset that counts full passes over it (a list rebuild or an `in` over a list)."""
+
+    passes = 0
+
+    def __iter__(self):
+        type(self).passes += 1
+        return super().__iter__()
+
+
+def test_stop_token_ids_are_a_set_read_by_membership_every_step():
+    """Issue 19, finding 3: a million-long stop_token_ids list was scanned with `in` for
+    every token of every sample. The ids are now one frozenset, checked by membership."""
+    ids = _CountingIds(range(100, 1100))
+    r = make_request("r", 4, max_tokens=None, stop_token_ids=ids)
+    assert r.sampling_params.stop_token_ids is ids  # held as given: no copy, no list
+    passes = _CountingIds.passes
+    sched = make_scheduler()
+    _run_until_done(sched, r, [5] * 30 + [1099])
+    assert (r.status, r.stop_reason, r.num_output_tokens) == (
+        RequestStatus.FINISHED_STOPPED,
+        1099,
+        31,
+    )
+    assert _CountingIds.passes == passes  # 31 checks, no pass over the ids
+
+
+def test_stop_token_ids_are_deduplicated_once_into_a_frozenset():
+    r = make_request("r", 4, stop_token_ids=[7] * 100_000 + [3])
+    assert r.sampling_params.stop_token_ids == frozenset({3, 7})
+    assert type(r.sampling_params.stop_token_ids) is frozenset
+
+
 def test_max_tokens_finishes_with_length():
     sched = make_scheduler()
     r = make_request("r", 4, max_tokens=2)

@@ -47,7 +47,7 @@ def test_eos_ids_are_not_stop_token_ids_and_ignore_eos_ignores_all(multi_eos_llm
     eng = multi_eos_llm.engine
     (req,) = eng.prepare_request("r", "Hello", SamplingParams()).requests
     assert req.eos_token_ids == frozenset(EOS_IDS)
-    assert req.sampling_params.stop_token_ids == []
+    assert req.sampling_params.stop_token_ids == frozenset()
     params = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={7: 100.0}, ignore_eos=True)
     comp = multi_eos_llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
     assert comp.token_ids == [7, 7, 7] and comp.finish_reason == "length"

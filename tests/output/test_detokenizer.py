@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -357,6 +358,88 @@ def test_stop_strings_match_the_whole_text_reference(bpe: Tokenizer):
         params = SamplingParams(stop=stops, include_stop_str_in_output=include)
         _, streamed, stop = stream(bpe, [1], ids, params, chunks)
         assert (streamed, stop) == _reference(full, stops, include), (full, stops, include)
+
+
+def _held_reference(pending: str, stops: list[str]) -> int:
+    """Brute force: the longest tail of `pending` that is a proper prefix of a stop string."""
+    return max(
+        (
+            k
+            for s in stops
+            for k in range(1, min(len(s), len(pending) + 1))
+            if pending.endswith(s[:k])
+        ),
+        default=0,
+    )
+
+
+def test_held_back_text_matches_a_brute_force_reference_at_every_step(bpe: Tokenizer):
+    """Overlapping, self-similar stop strings over a two-letter text: after each update the
+    text held back is exactly the longest tail that could still start a stop string."""
+    rng = random.Random(19)
+    for case in range(120):
+        text = "".join(rng.choice("ab é") for _ in range(rng.randint(5, 40)))
+        ids = bpe.encode(text)
+        stops = ["".join(rng.choice("ab é") for _ in range(rng.randint(1, 9))) for _ in range(3)]
+        min_tokens = rng.choice([0, 0, len(ids) // 2])
+        params = SamplingParams(stop=stops, min_tokens=min_tokens, max_tokens=None)
+        detok = IncrementalDetokenizer(bpe, [1], params)
+        streamed = ""
+        for tok in ids:
+            stop = detok.update([tok])
+            pending = detok.output_text[len(streamed) :]  # not returned yet
+            streamed += detok.get_delta()
+            if stop is not None:
+                break
+            assert detok.output_text.startswith(streamed), (text, stops)
+            held = len(detok.output_text) - len(streamed)
+            assert held == _held_reference(pending, stops), (text, stops, case)
+        if detok.stop_reason is None:
+            detok.flush()
+        streamed += detok.get_delta()
+        assert streamed == detok.output_text
+
+
+def _own_chars(detok: IncrementalDetokenizer, shared: list[object]) -> int:
+    """Characters a detokenizer stores itself: every str reachable from its attributes
+    (through lists, tuples, sets and dicts), each object once, minus the `shared` ones."""
+    skip = {id(o) for o in shared} | {id(detok.tokenizer)}
+    seen: set[int] = set()
+    todo: list[object] = list(vars(detok).values())
+    total = 0
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or id(obj) in skip:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, str):
+            total += len(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.keys())
+            todo.extend(obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            todo.extend(obj)
+    return total
+
+
+def test_a_long_stop_string_costs_memory_linear_in_its_length(bpe: Tokenizer):
+    """Finding 1 of issue 19: every proper prefix of every stop string was kept in a set,
+    L^2/2 characters per string and sample (8M for this one; 450M for 30,000 characters).
+    Now a sample stores the held-back tail and the last (longest stop - 1) characters;
+    the stop strings themselves are the request's, shared by all its samples."""
+    length = 4000
+    stop = "Paris" + "x" * (length - 5)
+    params = SamplingParams(stop=[stop, "fox"], n=2, max_tokens=None)
+    samples = [replace(params, n=1, seed=i) for i in range(2)]
+    ids = bpe.encode("Hello Paris " * 40)
+    detoks = [IncrementalDetokenizer(bpe, [1], p) for p in samples]
+    for detok in detoks:
+        for tok in ids:
+            assert detok.update([tok]) is None
+            detok.get_delta()
+        assert detok.stop[0] is params.stop[0]  # the request's string, not a copy
+        own = _own_chars(detok, list(params.stop))
+        assert own <= 2 * length + 2 * len(detok.output_text), own
 
 
 def test_prompt_tail_starting_inside_a_character_does_not_leak_into_the_output(bpe: Tokenizer):

@@ -74,7 +74,9 @@ async def metrics(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     state = state_of(request)
-    req = await read_json(request, TokenizeRequest, state.server.max_request_body)
+    req = await read_json(
+        request, TokenizeRequest, state.server.max_request_body, state.server.body_timeout_s
+    )
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
@@ -96,7 +98,9 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     state = state_of(request)
-    req = await read_json(request, DetokenizeRequest, state.server.max_request_body)
+    req = await read_json(
+        request, DetokenizeRequest, state.server.max_request_body, state.server.body_timeout_s
+    )
     state.check_model(req.model)
     vocab = state.aeng.tokenizer.vocab_size
     bad = [t for t in req.tokens if t >= vocab]

@@ -88,9 +88,10 @@ class ServerConfig:
     # Seconds one engine step may run before the engine counts as hung: health turns
     # unhealthy and `appliance serve` exits non-zero. None: no watchdog.
     step_timeout_s: float | None = 300.0
-    # Prompts, chat messages and texts to tokenize longer than this (characters, or token
-    # ids) are tokenized in a worker thread, so one huge input cannot stall every other
-    # stream on the event loop. One threshold for HTTP, gRPC and the engine's admission.
+    # Prompts, chat messages, texts to tokenize and ids to detokenize longer than this
+    # (characters, or token ids) are handled in a worker thread, so one huge input cannot
+    # stall every other stream on the event loop. One threshold for HTTP, gRPC and the
+    # engine's admission.
     offload_prompt_chars: int = 8192
 
     def __post_init__(self) -> None:

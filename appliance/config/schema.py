@@ -72,6 +72,13 @@ class ServerConfig:
     # Bytes of request line plus headers; larger get 431. Bounds what a client can make the
     # server buffer before any route (or the API-key check) runs.
     max_header_bytes: int = 16 * 1024
+    # Seconds a connection may take to send a request's line and headers (from when it
+    # opens, or from the first byte of the next request on a kept-alive one); then it is
+    # closed. Bounds idle and half-sent connections (uvicorn has no such timeout).
+    header_timeout_s: float = 20.0
+    # Seconds a request's body may take to arrive once the route reads it; then 408 and the
+    # connection is closed.
+    body_timeout_s: float = 60.0
     # Empty: CORS off. ["*"] allows any origin.
     cors_origins: tuple[str, ...] = ()
     # Seconds in-flight requests may take to finish after SIGTERM.
@@ -81,9 +88,10 @@ class ServerConfig:
     # Seconds one engine step may run before the engine counts as hung: health turns
     # unhealthy and `appliance serve` exits non-zero. None: no watchdog.
     step_timeout_s: float | None = 300.0
-    # Prompts, chat messages and texts to tokenize longer than this (characters, or token
-    # ids) are tokenized in a worker thread, so one huge input cannot stall every other
-    # stream on the event loop. One threshold for HTTP, gRPC and the engine's admission.
+    # Prompts, chat messages, texts to tokenize and ids to detokenize longer than this
+    # (characters, or token ids) are handled in a worker thread, so one huge input cannot
+    # stall every other stream on the event loop. One threshold for HTTP, gRPC and the
+    # engine's admission.
     offload_prompt_chars: int = 8192
 
     def __post_init__(self) -> None:
@@ -99,6 +107,8 @@ class ServerConfig:
         _require(all(self.api_keys), "server.api_keys", "keys must be non-empty strings")
         _require(self.max_request_body >= 1024, "server.max_request_body", "must be >= 1024")
         _require(self.max_header_bytes >= 1024, "server.max_header_bytes", "must be >= 1024")
+        _require(self.header_timeout_s > 0, "server.header_timeout_s", "must be > 0")
+        _require(self.body_timeout_s > 0, "server.body_timeout_s", "must be > 0")
         _require(self.shutdown_grace_s >= 0, "server.shutdown_grace_s", "must be >= 0")
         if self.step_timeout_s is not None:
             _require(self.step_timeout_s > 0, "server.step_timeout_s", "must be > 0 or null")

@@ -96,7 +96,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
     async def _render_chat(self, chat: pb.Chat) -> list[int]:
         messages = _chat_messages(chat)
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        size = sum(len(m["content"]) for m in messages)
+        size = sum(1 + len(m["role"]) + len(m["content"]) for m in messages)  # empty ones weigh
         try:
             return await self._engine.offload_if_large(
                 size, self._tokenizer.apply_chat_template, messages, add_generation_prompt=add_gen
@@ -228,13 +228,18 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
     ) -> pb.DetokenizeResponse:
         try:
             self._check_model(request.model)
-            vocab = self._tokenizer.vocab_size
-            bad = [t for t in request.token_ids if t >= vocab]
-            if bad:
-                raise invalid("token_ids", f"token id {bad[0]} is outside the vocabulary ({vocab})")
+            ids = list(request.token_ids)
+            text = await self._engine.offload_if_large(len(ids), self._detokenize, ids)
         except RpcError as e:
             await errors.abort(context, e)
-        return pb.DetokenizeResponse(text=self._tokenizer.decode(list(request.token_ids)))
+        return pb.DetokenizeResponse(text=text)
+
+    def _detokenize(self, ids: list[int]) -> str:
+        vocab = self._tokenizer.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise invalid("token_ids", f"token id {bad} is outside the vocabulary ({vocab})")
+        return self._tokenizer.decode(ids)
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -26,6 +26,7 @@ from appliance.http.completions import create_completion
 from appliance.http.errors import (
     APIError,
     api_error_handler,
+    client_disconnect_handler,
     http_exception_handler,
     unhandled_error_handler,
 )
@@ -103,6 +104,7 @@ def build_app(
         exception_handlers={
             APIError: api_error_handler,
             HTTPException: http_exception_handler,
+            ClientDisconnect: client_disconnect_handler,
             Exception: unhandled_error_handler,
         },
         lifespan=lifespan,

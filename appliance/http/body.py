@@ -1,7 +1,9 @@
 """Reading request bodies: content type, size limit while streaming, JSON, validation.
 
 The size limit is enforced on the bytes actually received, not only on Content-Length (a
-chunked or lying client cannot push more than `server.max_request_body`). Unsupported
+chunked or lying client cannot push more than `server.max_request_body`), and the whole
+body must arrive within `server.body_timeout_s` (else 408 and the connection is closed: a
+client that announces a body and sends half of it cannot hold a connection forever). Unsupported
 OpenAI parameters are refused here with a 400 naming them, unless the value is the harmless
 default (`tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`, ...), which
 is dropped before validation.
@@ -9,6 +11,7 @@ is dropped before validation.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, TypeVar
@@ -53,8 +56,9 @@ def _content_type_ok(value: str | None) -> bool:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, or 413 as soon as more than `limit` bytes are announced or received."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The raw body, or 413 as soon as more than `limit` bytes are announced or received,
+    or 408 when it has not all arrived within `timeout_s` seconds."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -64,11 +68,21 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise bad_request("Invalid Content-Length header", None, "invalid_header") from None
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"Request body not received within {timeout_s:g} seconds",
+            param=None,
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     return b"".join(chunks)
 
 
@@ -114,8 +128,10 @@ def check_unsupported(data: dict[str, Any]) -> None:
         del data[name]
 
 
-async def read_json(request: Request, model: type[M], limit: int) -> M:
-    """Content type (415), size (413), JSON syntax (400), fields and types (400)."""
+async def read_json(
+    request: Request, model: type[M], limit: int, timeout_s: float | None = None
+) -> M:
+    """Content type (415), size (413), time (408), JSON syntax (400), fields and types (400)."""
     if not _content_type_ok(request.headers.get("content-type")):
         raise APIError(
             415,
@@ -123,7 +139,7 @@ async def read_json(request: Request, model: type[M], limit: int) -> M:
             param=None,
             code="unsupported_media_type",
         )
-    raw = await read_body(request, limit)
+    raw = await read_body(request, limit, timeout_s)
     try:
         data = json.loads(raw)
     except RecursionError:  # `[[[[...`: the decoder's recursion limit, not a server fault

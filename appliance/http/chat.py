@@ -117,7 +117,7 @@ def render_chat(
 async def create_chat_completion(request: Request) -> Response:
     arrival, state, req, params = await begin(request, ChatCompletionRequest)
     prompt_ids = await state.aeng.offload_if_large(
-        _size(req.messages),
+        chat_size(req.messages),
         render_chat,
         state,
         req.messages,
@@ -140,14 +140,17 @@ async def create_chat_completion(request: Request) -> Response:
     return await respond(request, rid, streams, events, lambda f: _response(state, req, rid, f[0]))
 
 
-def _size(messages: list[ChatMessage]) -> int:
-    """Characters of content, to decide whether rendering goes off the event loop."""
+def chat_size(messages: list[ChatMessage]) -> int:
+    """What rendering `messages` costs, in characters, to decide whether it goes off the
+    event loop (`AsyncEngine.offload_if_large`): every text part and name counts, and each
+    message and part at least one, so many empty ones weigh too."""
     total = 0
     for m in messages:
+        total += 1 + len(m.name or "") + len(m.tool_call_id or "")
         if isinstance(m.content, str):
             total += len(m.content)
         elif m.content:
-            total += sum(len(p.text or "") for p in m.content)
+            total += sum(1 + len(p.text or "") for p in m.content)
     return total
 
 

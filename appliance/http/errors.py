@@ -11,7 +11,7 @@ import logging
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from engine.errors import (
@@ -146,6 +146,13 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.response()
+
+
+async def client_disconnect_handler(request: Request, exc: Exception) -> Response:
+    """The client left while its body was being read: nothing can be answered. A bare 499,
+    as for any other disconnect, so logs and metrics count it as the client's doing."""
+    assert isinstance(exc, ClientDisconnect)
+    return Response(status_code=499)
 
 
 async def unhandled_error_handler(request: Request, exc: Exception) -> Response:

@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from appliance.http.body import read_json
-from appliance.http.chat import render_chat
+from appliance.http.chat import chat_size, render_chat
 from appliance.http.errors import UNAVAILABLE, APIError, bad_request
 from appliance.http.protocol import (
     DetokenizeRequest,
@@ -18,7 +18,7 @@ from appliance.http.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from appliance.http.serving import state_of
+from appliance.http.serving import AppState, state_of
 
 
 def _json(model) -> JSONResponse:
@@ -74,16 +74,17 @@ async def metrics(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     state = state_of(request)
-    req = await read_json(request, TokenizeRequest, state.server.max_request_body)
+    req = await read_json(
+        request, TokenizeRequest, state.server.max_request_body, state.server.body_timeout_s
+    )
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
     if req.messages is not None:
         if not req.messages:
             raise bad_request("messages must not be empty", "messages")
-        size = sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
         tokens = await state.aeng.offload_if_large(
-            size, render_chat, state, req.messages, req.add_generation_prompt
+            chat_size(req.messages), render_chat, state, req.messages, req.add_generation_prompt
         )
     else:
         tokens = await state.aeng.offload_if_large(
@@ -96,10 +97,18 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     state = state_of(request)
-    req = await read_json(request, DetokenizeRequest, state.server.max_request_body)
+    req = await read_json(
+        request, DetokenizeRequest, state.server.max_request_body, state.server.body_timeout_s
+    )
     state.check_model(req.model)
+    text = await state.aeng.offload_if_large(len(req.tokens), _detokenize, state, req.tokens)
+    return _json(DetokenizeResponse(prompt=text))
+
+
+def _detokenize(state: AppState, tokens: list[int]) -> str:
+    """The text of `tokens`; 400 naming the first id outside the vocabulary."""
     vocab = state.aeng.tokenizer.vocab_size
-    bad = [t for t in req.tokens if t >= vocab]
-    if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary ({vocab})", "tokens")
-    return _json(DetokenizeResponse(prompt=state.aeng.tokenizer.decode(req.tokens)))
+    bad = next((t for t in tokens if t >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary ({vocab})", "tokens")
+    return state.aeng.tokenizer.decode(tokens)

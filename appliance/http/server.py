@@ -14,6 +14,9 @@ a process whose /health says 503 forever.
 The HTTP protocol is pinned to h11 (never httptools, even when installed) because h11 is
 what enforces `server.max_header_bytes`: a client cannot make the server buffer an
 unbounded request line and headers. Its protocol errors are answered in OpenAI format.
+uvicorn closes idle kept-alive connections but never one that has not yet sent a whole
+request line and headers, so `_H11Protocol` closes those after `server.header_timeout_s`
+(the body's deadline, `server.body_timeout_s`, is kept where the body is read).
 """
 
 from __future__ import annotations
@@ -52,9 +55,13 @@ class _H11Protocol(H11Protocol):
     `{"error": {...}}` bodies. The status h11 suggests is caught where the error is raised.
     """
 
+    # Seconds to receive a request line and headers; set per server by `uvicorn_config`.
+    header_timeout_s: float = 20.0
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._error_status = 400
+        self._header_timer: asyncio.TimerHandle | None = None
         next_event = self.conn.next_event
 
         def next_event_noting_status() -> object:
@@ -65,6 +72,45 @@ class _H11Protocol(H11Protocol):
                 raise
 
         self.conn.next_event = next_event_noting_status  # type: ignore[method-assign]
+
+    # ---- header timeout: armed while the client owes a request line and headers ------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.timeout_keep_alive_task is not None:
+            self._stop_header_timer()  # idle again: uvicorn's keep-alive timeout governs
+
+    def _watch_headers(self) -> None:
+        """Arms the timer when a request has begun arriving (or the connection just opened)
+        without its headers complete; stops it once they are."""
+        waiting = self.conn.their_state is h11.IDLE and self.timeout_keep_alive_task is None
+        if not waiting:
+            self._stop_header_timer()
+        elif self._header_timer is None and not self.transport.is_closing():
+            self._header_timer = self.loop.call_later(
+                self.header_timeout_s, self._headers_timed_out
+            )
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_timed_out(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         status = self._error_status
@@ -100,12 +146,14 @@ class _Server(uvicorn.Server):
 
 
 def uvicorn_config(app: Starlette, server: ServerConfig, port: int | None = None) -> uvicorn.Config:
+    # uvicorn builds the protocol itself: the header timeout travels on a subclass.
+    protocol = type("H11Protocol", (_H11Protocol,), {"header_timeout_s": server.header_timeout_s})
     return uvicorn.Config(
         app,
         host=server.host,
         port=server.http_port if port is None else port,
         log_config=None,  # our structured handler (appliance.logs) is already installed
-        http=_H11Protocol,
+        http=protocol,
         h11_max_incomplete_event_size=server.max_header_bytes,
         access_log=False,  # the app logs each request itself, without bodies
         lifespan="on",

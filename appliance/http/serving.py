@@ -10,6 +10,7 @@ engine frees the request's KV blocks within one step.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -94,7 +95,9 @@ async def begin(request: Request, model: type[R]) -> tuple[float, AppState, R, S
     time, app state, the validated body, the model name, then the sampling parameters."""
     arrival = time.monotonic()
     state = state_of(request)
-    req = await read_json(request, model, state.server.max_request_body)
+    req = await read_json(
+        request, model, state.server.max_request_body, state.server.body_timeout_s
+    )
     state.check_model(req.model)
     return arrival, state, req, convert.sampling_params(req)  # type: ignore[arg-type]
 
@@ -267,7 +270,8 @@ class SSEResponse(Response):
     Starlette's StreamingResponse only notices a disconnect when a send fails (ASGI spec
     2.4), which never happens while a request waits in the queue; here a watcher on
     `receive` cancels the stream at once, and the body iterator is always closed, which
-    aborts the engine request.
+    aborts the engine request. A stream the server cuts (its shutdown grace ended) still
+    ends as a whole body: an error event, then `[DONE]`.
     """
 
     media_type = "text/event-stream"
@@ -282,6 +286,7 @@ class SSEResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        ended = False
         try:
             async with anyio.create_task_group() as tg:
 
@@ -292,17 +297,17 @@ class SSEResponse(Response):
                 tg.start_soon(watch)
                 try:
                     async for chunk in self.body_iterator:
-                        await send(
-                            {
-                                "type": "http.response.body",
-                                "body": chunk.encode(),
-                                "more_body": True,
-                            }
-                        )
+                        await _send_chunk(send, chunk.encode())
+                    ended = True
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except OSError:  # the client went away during a send
                     pass
                 tg.cancel_scope.cancel()
+        except asyncio.CancelledError:
+            # The server cut the stream (the shutdown grace ended): end the body properly,
+            # with an error event and [DONE], rather than as a truncated chunked body.
+            if not ended:
+                await _send_chunk(send, _CUT_EVENT, more_body=False)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
@@ -313,6 +318,25 @@ def sse(data: str) -> str:
 
 
 SSE_DONE = sse("[DONE]")
+
+# What a stream still running when the shutdown grace ends sends last.
+_CUT_EVENT = (
+    sse(
+        json.dumps(
+            APIError(
+                503,
+                "the server shut down before this stream finished",
+                UNAVAILABLE,
+                code="shutting_down",
+            ).body()
+        )
+    )
+    + SSE_DONE
+).encode()
+
+
+async def _send_chunk(send: Send, body: bytes, more_body: bool = True) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": more_body})
 
 
 def whole_body(cls: type[E], rid: str, model: str, choices: list, usage: UsageInfo) -> E:

@@ -375,7 +375,9 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(tiny_llama_dir, tmp_path) 
 def test_sigterm_cuts_what_outlives_the_grace_and_exits_0(tiny_llama_dir, tmp_path) -> None:
     """Streams held forever (one step, then no more) outlive any grace period: they are cut
     when it ends and the process still exits 0. A server that waited for them would never
-    exit, so the hang guard, not a stopwatch, catches it."""
+    exit, so the hang guard, not a stopwatch, catches it. The cut HTTP stream still ends as
+    a whole SSE body: an error event saying why, then [DONE] (not a truncated chunked body,
+    which clients report as a network error)."""
     gate = _FileGate(tmp_path / "steps")
     sp = _serve(tiny_llama_dir, "gate", gate.path, **{"server.shutdown_grace_s": 0.5})
     results: dict[str, Any] = {}
@@ -388,5 +390,10 @@ def test_sigterm_cuts_what_outlives_the_grace_and_exits_0(tiny_llama_dir, tmp_pa
     finally:
         sp.kill()
     assert code == 0, sp.records[-5:]
-    assert "data: [DONE]" not in results["http"], results["http"][-200:]
+    http = results["http"]
+    assert not http.startswith("cut:"), http
+    *events, last_event, done = [e for e in http.split("\n\n") if e]
+    assert done == "data: [DONE]", http[-300:]
+    assert json.loads(last_event.removeprefix("data: "))["error"]["code"] == "shutting_down"
+    assert all("error" not in json.loads(e.removeprefix("data: ")) for e in events), http
     assert isinstance(results["grpc"], grpc.StatusCode), results["grpc"]

@@ -137,6 +137,7 @@ class LLMEngine:
                 f"n must be at most {self.config.scheduler.max_n}, got {params.n}", "n"
             )
         params.validate_vocab(self.vocab_size)  # SamplingParamsError is an InvalidRequestError
+        params.validate_masks(self.tokenizer.eos_token_ids)
         kv = self.kv_manager
         max_tokens = admission.fit_lengths(
             len(ids), params.max_tokens, self.max_model_len, kv.block_size, kv.num_blocks
@@ -152,7 +153,7 @@ class LLMEngine:
                 p = replace(
                     p,
                     n=1,
-                    seed=None if params.seed is None else params.seed + i,
+                    seed=None if params.seed is None else _int64(params.seed + i),
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None,
                 )
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -294,6 +295,12 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
         )
+
+
+def _int64(x: int) -> int:
+    """x wrapped into int64 (a sample's seed is the request's + its index): the generator
+    takes seeds modulo 2**64, so the wrapped seed draws the same numbers."""
+    return (x + 2**63) % 2**64 - 2**63
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

@@ -158,3 +158,19 @@ def test_a_streams_total_output_grows_linearly_with_its_length(llm):
     assert (small_items, big_items) == (2 * n, 4 * n)
     # and each character of text once
     assert (small_chars, big_chars) == (len(small_text), len(big_text))
+
+
+def test_allowed_ids_all_masked_under_min_tokens_are_refused_up_front(llm):
+    eos = min(llm.engine.tokenizer.eos_token_ids)
+    params = SamplingParams(allowed_token_ids=[eos], min_tokens=3, max_tokens=5)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.engine.prepare_request("x", "hi", params)
+    assert e.value.param == "allowed_token_ids"
+    assert "min_tokens=3" in str(e.value)
+
+
+def test_sample_seeds_wrap_inside_int64(llm):
+    """A sample's seed is the request's plus its index, wrapped so it stays a valid seed."""
+    params = SamplingParams(n=2, seed=2**63 - 1, max_tokens=2)
+    prepared = llm.engine.prepare_request("x", "hi", params)
+    assert [r.sampling_params.seed for r in prepared.requests] == [2**63 - 1, -(2**63)]

@@ -241,6 +241,10 @@ class LLMEngine:
             self.scheduler.stop_on_string(sample, stop)
             self.outputs.finalize_stop(sample.request_id)
         results = []
+        for rid, reason in runner_out.failed.items():  # its masks left no token to sample
+            gid = self.outputs.parent_of.get(rid)
+            if gid in self.outputs.groups:
+                results += self._fail_groups([gid], reason)
         for gid in touched:
             delta = self.outputs.delta_for(gid)
             if delta is None:

@@ -6,6 +6,7 @@ import pytest
 
 from engine import LLM, BeamSearchParams, SamplingParams
 from engine.errors import InvalidRequestError
+from tests.support.offline import run_to_finals
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +168,28 @@ def test_allowed_ids_all_masked_under_min_tokens_are_refused_up_front(llm):
         llm.engine.prepare_request("x", "hi", params)
     assert e.value.param == "allowed_token_ids"
     assert "min_tokens=3" in str(e.value)
+
+
+def test_masks_that_empty_at_run_time_end_the_request_with_an_error_naming_them(llm):
+    """A conflict the up-front check did not see (min_tokens set after it) reaches the
+    sampler: the request ends with an error naming its masks, no token outside them is
+    emitted, its blocks are freed, and the request next to it is untouched."""
+    eng = llm.engine
+    eos = min(eng.tokenizer.eos_token_ids)
+    params = SamplingParams(temperature=0.0, allowed_token_ids=[eos], max_tokens=5, logprobs=0)
+    prepared = eng.prepare_request("masked", "Hello", params)
+    params.min_tokens = 3
+    eng.add_prepared(prepared)
+    other = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng.add_request("other", "Hello", other)
+    finals = run_to_finals(eng, max_steps=50)
+    masked = finals["masked"]
+    assert masked.error is not None and "allowed_token_ids" in masked.error, masked.error
+    assert "min_tokens=3" in masked.error
+    assert masked.outputs[0].token_ids == []
+    assert finals["other"].error is None and len(finals["other"].outputs[0].token_ids) == 4
+    assert not eng.has_unfinished_requests()
+    assert eng.kv_manager.stats().num_free_blocks == eng.kv_manager.stats().num_blocks
 
 
 def test_sample_seeds_wrap_inside_int64(llm):

@@ -138,6 +138,7 @@ class LLMEngine:
             )
         admission.check_stop_limits(params, self.config.scheduler)
         params.validate_vocab(self.vocab_size)  # SamplingParamsError is an InvalidRequestError
+        params.validate_masks(self.tokenizer.eos_token_ids)
         kv = self.kv_manager
         max_tokens = admission.fit_lengths(
             len(ids), params.max_tokens, self.max_model_len, kv.block_size, kv.num_blocks
@@ -153,7 +154,7 @@ class LLMEngine:
                 p = replace(
                     p,
                     n=1,
-                    seed=None if params.seed is None else params.seed + i,
+                    seed=None if params.seed is None else _int64(params.seed + i),
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None,
                 )
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -241,6 +242,10 @@ class LLMEngine:
             self.scheduler.stop_on_string(sample, stop)
             self.outputs.finalize_stop(sample.request_id)
         results = []
+        for rid, reason in runner_out.failed.items():  # its masks left no token to sample
+            gid = self.outputs.parent_of.get(rid)
+            if gid in self.outputs.groups:
+                results += self._fail_groups([gid], reason)
         for gid in touched:
             delta = self.outputs.delta_for(gid)
             if delta is None:
@@ -295,6 +300,12 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
         )
+
+
+def _int64(x: int) -> int:
+    """x wrapped into int64 (a sample's seed is the request's + its index): the generator
+    takes seeds modulo 2**64, so the wrapped seed draws the same numbers."""
+    return (x + 2**63) % 2**64 - 2**63
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

@@ -6,11 +6,22 @@ the frontends can turn it into a 400 (or INVALID_ARGUMENT) with `param` set.
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+# Seeds are int64, as vLLM takes them: a larger one would wrap (2**64 -> 0) silently.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)  # fmt: skip
+# A logit_bias key given as a string: a canonical decimal token id ("5", not " 5", "+5",
+# "5_0", "05" or non-ASCII digits), so two keys never name the same token.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")
 
 
 class SamplingParamsError(InvalidRequestError):
@@ -75,16 +86,20 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError) as e:
-                raise SamplingParamsError(
-                    "keys must be token ids and values numbers", "logit_bias"
-                ) from e
+            self.logit_bias = _logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value),
+                name,
+                f"must be a finite number, got {value!r:.40}",
+            )
         _check(self.temperature >= 0.0, "temperature", "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", "must be -1 (disabled) or >= 1")
@@ -111,7 +126,13 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check(0 <= self.prompt_logprobs <= 20, "prompt_logprobs", "must be in [0, 20]")
         if self.seed is not None:
-            _check(isinstance(self.seed, int), "seed", "must be an integer")
+            _check(
+                isinstance(self.seed, int)
+                and not isinstance(self.seed, bool)
+                and _SEED_MIN <= self.seed <= _SEED_MAX,
+                "seed",
+                "must be an integer in [-2**63, 2**63 - 1]",
+            )
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )
@@ -122,9 +143,9 @@ class SamplingParams:
         )
         if self.logit_bias is not None:
             _check(
-                all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                all(math.isfinite(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values()),
                 "logit_bias",
-                "values must be in [-100, 100]",
+                "values must be finite numbers in [-100, 100]",
             )
             _check(all(k >= 0 for k in self.logit_bias), "logit_bias", "keys must be token ids")
         if self.allowed_token_ids is not None:
@@ -145,6 +166,22 @@ class SamplingParams:
             bad = [t for t in ids if t >= vocab_size]
             _check(not bad, name, f"token id {bad[:1]} is outside the vocabulary ({vocab_size})")
 
+    def validate_masks(self, eos_token_ids: Iterable[int]) -> None:
+        """Refuses masks that leave no token at the first step (the engine knows the EOS ids):
+        every allowed id a stop id, or an EOS id unless `ignore_eos`, while `min_tokens`
+        masks those. The sampler ends a request whose masks empty later with an error."""
+        if self.allowed_token_ids is None or self.min_tokens == 0:
+            return
+        masked = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            masked.update(eos_token_ids)
+        _check(
+            not masked.issuperset(self.allowed_token_ids),
+            "allowed_token_ids",
+            f"every allowed id is a stop or EOS id, which min_tokens={self.min_tokens} masks "
+            "until that many tokens are generated: no token could be sampled",
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
@@ -156,6 +193,32 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def _logit_bias(raw: object) -> dict[int, float]:
+    """{token id: bias} from a mapping whose keys are ints or canonical decimal strings."""
+    if not isinstance(raw, dict):
+        raise SamplingParamsError("must be an object of token id -> bias", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key):
+            tid = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            tid = key
+        else:
+            raise SamplingParamsError(
+                f"keys must be token ids written as plain decimal digits, got {key!r:.40}",
+                "logit_bias",
+            )
+        try:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError
+            out[tid] = float(value)
+        except (TypeError, OverflowError):
+            raise SamplingParamsError(
+                f"bias of {key!r:.40} must be a number", "logit_bias"
+            ) from None
+    return out
 
 
 @dataclass

@@ -11,6 +11,7 @@ num_output_tokens UINT32 [n] when asked for), in `raw_output_contents` as Triton
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ INPUTS = (
     ("sampling_parameters", "BYTES", [1]),
     *((name, "BOOL", [1]) for name in _BOOL_INPUTS[1:]),
 )
+_INPUT_NAMES = tuple(name for name, _, _ in INPUTS)
 OUTPUTS = (
     ("text_output", "BYTES", [-1]),
     ("finish_reason", "BYTES", [-1]),
@@ -49,6 +51,7 @@ _BOOLS = {
     "spaces_between_special_tokens",
 }  # fmt: skip
 _AS_IS = {"stop", "stop_token_ids", "logit_bias", "allowed_token_ids"}
+_INT_STRING = re.compile(r"-?[0-9]+")
 
 
 @dataclass
@@ -87,6 +90,11 @@ def _input_values(req: kpb.ModelInferRequest) -> dict[str, tuple[str, list[Any]]
         raise invalid("raw_input_contents", "must hold one entry per input")
     values: dict[str, tuple[str, list[Any]]] = {}
     for k, t in enumerate(req.inputs):
+        if t.name not in _INPUT_NAMES:
+            known = ", ".join(_INPUT_NAMES)
+            raise invalid(t.name, f"unknown input (this model takes {known})")
+        if t.name in values:
+            raise invalid(t.name, "given more than once")
         if t.datatype not in ("BYTES", "BOOL"):
             raise invalid(t.name, f"datatype {t.datatype} is not supported (BYTES or BOOL)")
         if req.raw_input_contents:
@@ -111,6 +119,24 @@ def _single(values: dict[str, tuple[str, list[Any]]], name: str, datatype: str) 
     if len(items) != 1:
         raise invalid(name, f"must hold exactly one element, got {len(items)}")
     return items[0]
+
+
+def _parse_float(key: str, v: Any) -> float:
+    """A number, or a string holding one ("0.1"); never a boolean. Non-finite values pass
+    through to SamplingParams, which refuses them naming the field."""
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise invalid(f"sampling_parameters.{key}", f"must be a number, got {v!r:.80}")
+    return float(v)
+
+
+def _parse_int(key: str, v: Any) -> int:
+    """An integer, or a string of decimal digits ("16"); never a float (1.9 is not 1) nor a
+    boolean (true is not 1)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str) and _INT_STRING.fullmatch(v):
+        return int(v)
+    raise invalid(f"sampling_parameters.{key}", f"must be an integer, got {v!r:.80}")
 
 
 def _parse_bool(key: str, v: Any) -> bool:
@@ -166,9 +192,9 @@ def sampling_from_json(raw: bytes | None) -> SamplingParams:
     for key, v in obj.items():
         try:
             if key in _FLOATS:
-                kw[key] = float(v)
+                kw[key] = _parse_float(key, v)
             elif key in _INTS:
-                kw[key] = None if v is None else int(v)
+                kw[key] = None if v is None else _parse_int(key, v)
             elif key in _BOOLS:
                 kw[key] = _parse_bool(key, v)
             elif key in _AS_IS:

@@ -19,6 +19,7 @@ from appliance.grpc import errors
 from appliance.grpc.errors import RpcError, invalid
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
+from appliance.http.protocol import CHAT_ROLES
 from appliance.telemetry import Tracing, record_request_span
 from engine.output.request_output import SampleDelta
 from engine.request_stream import RequestStream, TokenCounts
@@ -53,9 +54,20 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
 
 
 def _chat_messages(chat: pb.Chat) -> list[dict[str, str]]:
+    """The template's messages; roles are those the HTTP API takes (`developer` is read as
+    `system`, as there)."""
     if not chat.messages:
         raise invalid("chat.messages", "must not be empty")
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise invalid(
+                f"chat.messages.{i}.role",
+                f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r:.40}",
+            )
+    return [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+        for m in chat.messages
+    ]
 
 
 @dataclass

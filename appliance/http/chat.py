@@ -61,11 +61,17 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise bad_request(
                         f"only text content parts are supported, got {part.type!r}",
                         f"messages.{i}.content.{j}.type",
                         "unsupported_parameter",
+                    )
+                if part.text is None:
+                    raise bad_request(
+                        "a text content part needs a `text` string",
+                        f"messages.{i}.content.{j}.text",
+                        "missing_required_parameter",
                     )
                 texts.append(part.text)
             content = "\n".join(texts)

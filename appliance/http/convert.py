@@ -33,23 +33,6 @@ def json_logprob(x: float) -> float:
     return _MIN_LOGPROB if math.isinf(x) or math.isnan(x) else max(x, _MIN_LOGPROB)
 
 
-def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
-    if raw is None:
-        return None
-    out = {}
-    for key, value in raw.items():
-        try:
-            tid = int(key)
-        except ValueError:
-            raise bad_request(
-                f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
-            ) from None
-        if tid < 0:
-            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
-        out[tid] = value
-    return out
-
-
 def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     """SamplingParams from either request kind; a bad value is a 400 naming the field."""
     if req.stream_options is not None and not req.stream:
@@ -88,7 +71,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
             min_tokens=req.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            logit_bias=_logit_bias(req.logit_bias),
+            logit_bias=req.logit_bias,
             skip_special_tokens=req.skip_special_tokens,
         )
     except SamplingParamsError as e:

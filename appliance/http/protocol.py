@@ -11,7 +11,7 @@ is the harmless default. The same models generate /openapi.json.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -141,8 +141,13 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+# The chat roles every frontend accepts (native gRPC reads them from here too).
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
+
+
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None

@@ -98,3 +98,6 @@ class RunnerOutput:
     logprobs: list[TokenLogprobs | None] | None = None
     # request_id -> logprobs of prompt tokens 1..P-1 computed this step.
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # request_id -> why it could not sample (its masks left no token): not in req_ids; the
+    # engine ends it with this error.
+    failed: dict[str, str] = field(default_factory=dict)

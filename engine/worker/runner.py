@@ -163,12 +163,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows_t])
         rows = [self._sampling_row(self.states[rid]) for rid in inputs.sample_req_ids]
         sampled = self.sampler(logits, rows)
-        for rid, tok in zip(inputs.sample_req_ids, sampled.token_ids, strict=True):
+        req_ids, token_ids, logprobs = inputs.sample_req_ids, sampled.token_ids, sampled.logprobs
+        if sampled.failed:  # rows whose masks left no token: reported, not sampled
+            out.failed = {req_ids[i]: why for i, why in sampled.failed.items()}
+            kept = [i for i in range(len(rows)) if i not in sampled.failed]
+            req_ids = [req_ids[i] for i in kept]
+            token_ids = [token_ids[i] for i in kept]
+            logprobs = [logprobs[i] for i in kept]
+        for rid, tok in zip(req_ids, token_ids, strict=True):
             self.states[rid].token_ids.append(tok)
-        out.req_ids = inputs.sample_req_ids
-        out.sampled_token_ids = [[t] for t in sampled.token_ids]
-        if any(lp is not None for lp in sampled.logprobs):
-            out.logprobs = sampled.logprobs
+        out.req_ids = req_ids
+        out.sampled_token_ids = [[t] for t in token_ids]
+        if any(lp is not None for lp in logprobs):
+            out.logprobs = logprobs
         return out
 
     def _sampling_row(self, st: CachedRequestState) -> SamplingRow:

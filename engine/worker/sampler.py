@@ -8,6 +8,7 @@ batched. Order of operations (the same as vLLM v1, so results are comparable)::
         │
         ├─ allowed_token_ids mask, min_tokens stop-token mask, logit_bias
         ├─ repetition / frequency / presence penalties
+        ├─ a row left without any token fails (`SamplerOutput.failed`), never samples one
         ├─ greedy rows: argmax here (temperature and truncation cannot change it)
         ├─ temperature ─▶ min-p ─▶ top-k ─▶ top-p
         └─ sample: argmax(probs / q), q ~ Exp(1) drawn per seeded row from its own generator
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,9 +52,12 @@ class SamplingRow:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    # Parallel to token_ids; None for rows whose params.logprobs is None.
+    token_ids: list[int]  # -1 for a failed row
+    # Parallel to token_ids; None for rows whose params.logprobs is None (or failed).
     logprobs: list[TokenLogprobs | None]
+    # Row -> why it has no token: its masks together exclude every token. Such a row is
+    # never given a token outside them (no fallback to token 0); its request must end.
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -90,11 +94,15 @@ class Sampler:
         if not rows:
             return SamplerOutput([], [])
         logits = logits.float()
+        failed: dict[int, str] = {}
         if _is_plain_greedy(rows):
             token_ids = row_argmax(logits)
         else:
-            token_ids = _sample(logits, rows)
-        return SamplerOutput(token_ids.tolist(), _sampled_logprobs(logits, rows, token_ids))
+            token_ids, failed = _sample(logits, rows)
+        out = SamplerOutput(token_ids.tolist(), _sampled_logprobs(logits, rows, token_ids), failed)
+        for i in failed:
+            out.token_ids[i], out.logprobs[i] = -1, None
+        return out
 
 
 def compute_prompt_logprobs(
@@ -140,17 +148,19 @@ def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
 # ---- the sampling path ------------------------------------------------------------------------
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Token ids [N] for a batch that needs more than a plain argmax."""
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, dict[int, str]]:
+    """Token ids [N] for a batch that needs more than a plain argmax, and the rows whose
+    masks left no token (their ids are meaningless)."""
     logits = logits.clone()  # the raw logits stay intact for logprobs
     _apply_allowed_token_ids(logits, rows)
     _apply_min_tokens(logits, rows)
     _apply_logit_bias(logits, rows)
     _apply_penalties(logits, rows)
+    failed = _rows_without_a_token(logits, rows)
 
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
-        return row_argmax(logits)
+        return row_argmax(logits), failed
     device = logits.device
     greedy_ids = row_argmax(logits) if any(greedy) else None
 
@@ -178,7 +188,33 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     sampled = _exponential_race(torch.softmax(logits, dim=-1), rows, greedy)
     if greedy_ids is not None:
         sampled = torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
-    return sampled
+    return sampled, failed
+
+
+def _rows_without_a_token(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, str]:
+    """Masked rows in which every logit is -inf, each with a message naming its masks."""
+    masked = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.allowed_token_ids is not None or _suppresses_stop_tokens(r)
+    ]
+    if not masked:
+        return {}
+    idx = torch.tensor(masked, device=logits.device)
+    empty = torch.isneginf(logits[idx]).all(dim=-1).tolist()
+    return {i: _no_token_message(rows[i]) for i, e in zip(masked, empty, strict=True) if e}
+
+
+def _no_token_message(row: SamplingRow) -> str:
+    p = row.params
+    masks = []
+    if p.allowed_token_ids is not None:
+        masks.append("allowed_token_ids")
+    if _suppresses_stop_tokens(row):
+        masks.append(f"min_tokens={p.min_tokens} (stop and EOS ids masked)")
+    if p.logit_bias:
+        masks.append("logit_bias")
+    return f"no token can be sampled: {' with '.join(masks)} exclude every token"
 
 
 def _exponential_race(

@@ -6,6 +6,7 @@ import pytest
 
 from engine import LLM, BeamSearchParams, SamplingParams
 from engine.errors import InvalidRequestError
+from tests.support.offline import run_to_finals
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +159,41 @@ def test_a_streams_total_output_grows_linearly_with_its_length(llm):
     assert (small_items, big_items) == (2 * n, 4 * n)
     # and each character of text once
     assert (small_chars, big_chars) == (len(small_text), len(big_text))
+
+
+def test_allowed_ids_all_masked_under_min_tokens_are_refused_up_front(llm):
+    eos = min(llm.engine.tokenizer.eos_token_ids)
+    params = SamplingParams(allowed_token_ids=[eos], min_tokens=3, max_tokens=5)
+    with pytest.raises(InvalidRequestError) as e:
+        llm.engine.prepare_request("x", "hi", params)
+    assert e.value.param == "allowed_token_ids"
+    assert "min_tokens=3" in str(e.value)
+
+
+def test_masks_that_empty_at_run_time_end_the_request_with_an_error_naming_them(llm):
+    """A conflict the up-front check did not see (min_tokens set after it) reaches the
+    sampler: the request ends with an error naming its masks, no token outside them is
+    emitted, its blocks are freed, and the request next to it is untouched."""
+    eng = llm.engine
+    eos = min(eng.tokenizer.eos_token_ids)
+    params = SamplingParams(temperature=0.0, allowed_token_ids=[eos], max_tokens=5, logprobs=0)
+    prepared = eng.prepare_request("masked", "Hello", params)
+    params.min_tokens = 3
+    eng.add_prepared(prepared)
+    other = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng.add_request("other", "Hello", other)
+    finals = run_to_finals(eng, max_steps=50)
+    masked = finals["masked"]
+    assert masked.error is not None and "allowed_token_ids" in masked.error, masked.error
+    assert "min_tokens=3" in masked.error
+    assert masked.outputs[0].token_ids == []
+    assert finals["other"].error is None and len(finals["other"].outputs[0].token_ids) == 4
+    assert not eng.has_unfinished_requests()
+    assert eng.kv_manager.stats().num_free_blocks == eng.kv_manager.stats().num_blocks
+
+
+def test_sample_seeds_wrap_inside_int64(llm):
+    """A sample's seed is the request's plus its index, wrapped so it stays a valid seed."""
+    params = SamplingParams(n=2, seed=2**63 - 1, max_tokens=2)
+    prepared = llm.engine.prepare_request("x", "hi", params)
+    assert [r.sampling_params.seed for r in prepared.requests] == [2**63 - 1, -(2**63)]

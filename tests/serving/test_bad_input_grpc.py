@@ -31,6 +31,7 @@ from tests.support.served_stack import tiny_engine, wait_idle_and_free
 from tests.support.waiting import StepGate
 
 MAX_RECEIVE = 64 * 1024
+EOS_ID = 0  # the tiny tokenizer's <|endoftext|>; checked by test_eos_id_is_the_tiny_models
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND, EXHAUSTED = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -68,9 +69,21 @@ GENERATE: list[tuple[str, pb.GenerateRequest, grpc.StatusCode, str | None]] = [
     ("text beyond context", pb.GenerateRequest(text="one two " * 200), INVALID, "text"),
     ("token ids beyond context", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 200)), INVALID, "token_ids.ids"),
     ("empty token ids", pb.GenerateRequest(token_ids=pb.TokenIds()), INVALID, "token_ids.ids"),
-    ("chat empty role", pb.GenerateRequest(chat=_chat(("", "hi"))), INVALID, "chat.messages"),
+    ("chat empty role", pb.GenerateRequest(chat=_chat(("", "hi"))), INVALID, "chat.messages.0.role"),
     ("chat beyond context", pb.GenerateRequest(chat=_chat(("user", "one two " * 200))), INVALID, "chat.messages"),
     ("unknown model", pb.GenerateRequest(model="gpt-9", text="hi"), NOT_FOUND, None),
+    # ---- R2 (issue 19, findings 4 and 10): non-finite numbers, empty masks, chat roles -------
+    ("temperature inf", _gen(temperature=math.inf), INVALID, "sampling.temperature"),
+    ("temperature -inf", _gen(temperature=-math.inf), INVALID, "sampling.temperature"),
+    ("top_p inf", _gen(top_p=math.inf), INVALID, "sampling.top_p"),
+    ("min_p NaN", _gen(min_p=math.nan), INVALID, "sampling.min_p"),
+    ("presence_penalty -inf", _gen(presence_penalty=-math.inf), INVALID, "sampling.presence_penalty"),
+    ("frequency_penalty NaN", _gen(frequency_penalty=math.nan), INVALID, "sampling.frequency_penalty"),
+    ("logit_bias inf", _gen(logit_bias={5: math.inf}), INVALID, "sampling.logit_bias"),
+    ("allowed ids all stop ids under min_tokens", _gen(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2, max_tokens=4), INVALID, "sampling.allowed_token_ids"),
+    ("allowed ids all EOS under min_tokens", _gen(allowed_token_ids=[EOS_ID], min_tokens=3, max_tokens=4), INVALID, "sampling.allowed_token_ids"),
+    ("chat unknown role", pb.GenerateRequest(chat=_chat(("user", "hi"), ("wizard", "hi"))), INVALID, "chat.messages.1.role"),
+    ("chat role in capitals", pb.GenerateRequest(chat=_chat(("USER", "hi"))), INVALID, "chat.messages.0.role"),
 ]  # fmt: skip
 
 
@@ -167,6 +180,28 @@ KSERVE_SAMPLING: list[tuple[str, bytes, str]] = [
     ("allowed_token_ids nested json", _sp(allowed_token_ids="[[1]]"), "sampling_parameters.allowed_token_ids"),
     ("top_p out of range", _sp(top_p=5), "sampling_parameters.top_p"),
     ("max_tokens beyond context", _sp(max_tokens=1000), "sampling_parameters.max_tokens"),
+    # ---- R2 (issue 19, findings 4 and 10) ----------------------------------------------------
+    ("temperature string inf", _sp(temperature="inf"), "sampling_parameters.temperature"),
+    ("temperature string nan", _sp(temperature="nan"), "sampling_parameters.temperature"),
+    ("temperature 1e400", b'{"temperature": 1e400}', "sampling_parameters.temperature"),
+    ("top_p string -inf", _sp(top_p="-inf"), "sampling_parameters.top_p"),
+    ("repetition_penalty string Infinity", _sp(repetition_penalty="Infinity"), "sampling_parameters.repetition_penalty"),
+    ("temperature true", _sp(temperature=True), "sampling_parameters.temperature"),
+    ("logit_bias value 1e400", b'{"logit_bias": {"5": 1e400}}', "sampling_parameters.logit_bias"),
+    ("n 1.9", _sp(n=1.9), "sampling_parameters.n"),
+    ("n string 1.9", _sp(n="1.9"), "sampling_parameters.n"),
+    ("max_tokens true", _sp(max_tokens=True), "sampling_parameters.max_tokens"),
+    ("min_tokens 2.0", _sp(min_tokens=2.0), "sampling_parameters.min_tokens"),
+    ("top_k string 5_0", _sp(top_k="5_0"), "sampling_parameters.top_k"),
+    ("seed 2**63", _sp(seed=2**63), "sampling_parameters.seed"),
+    ("seed string 2**64", _sp(seed=str(2**64)), "sampling_parameters.seed"),
+    ("seed below -2**63", _sp(seed=-(2**63) - 1), "sampling_parameters.seed"),
+    ("logit_bias key with a space", _sp(logit_bias={" 5": 1}), "sampling_parameters.logit_bias"),
+    ("logit_bias key with a plus", _sp(logit_bias={"+5": 1}), "sampling_parameters.logit_bias"),
+    ("logit_bias key with an underscore", _sp(logit_bias={"5_0": 1}), "sampling_parameters.logit_bias"),
+    ("logit_bias key in arabic digits", _sp(logit_bias={"\u0665": 1}), "sampling_parameters.logit_bias"),
+    ("logit_bias key with a leading zero", _sp(logit_bias={"5": 1, "05": -1}), "sampling_parameters.logit_bias"),
+    ("allowed ids all EOS under min_tokens", _sp(allowed_token_ids=[EOS_ID], min_tokens=3, max_tokens=4), "sampling_parameters.allowed_token_ids"),
 ]  # fmt: skip
 
 
@@ -205,7 +240,17 @@ def _unary_cases() -> list[tuple[str, str, Any, grpc.StatusCode, str | None]]:
         ("kserve malformed BYTES", "ModelInfer", _broken_bytes_tensor(), INVALID, "text_input"),
         ("kserve contents count", "ModelInfer", _contents_mismatch(), INVALID, "raw_input_contents"),
         ("kserve FP32 input", "ModelInfer", _fp32_input(), INVALID, "text_input"),
+        # ---- R2 (issue 19, finding 10) -------------------------------------------------------
+        ("kserve unknown input", "ModelInfer", _with_input(_kserve(), "return_logprobs", "BOOL", b"\x01"), INVALID, "return_logprobs"),
+        ("kserve duplicate text_input", "ModelInfer", _with_input(_kserve(), "text_input", "BYTES", encode_bytes([b"override"])), INVALID, "text_input"),
     ]  # fmt: skip
+
+
+def _with_input(req: kpb.ModelInferRequest, name: str, datatype: str, raw: bytes):
+    """`req` with one more raw input tensor."""
+    req.inputs.add(name=name, datatype=datatype, shape=[1])
+    req.raw_input_contents.append(raw)
+    return req
 
 
 def _broken_bytes_tensor() -> kpb.ModelInferRequest:
@@ -246,6 +291,28 @@ def test_bad_unary_call_gets_its_status_naming_the_field(
             return await _status(getattr(stub, method)(request_))
 
     _assert_names(h.run(main()), code, field)
+
+
+def test_eos_id_is_the_tiny_models(harness) -> None:
+    assert harness.engine.engine.tokenizer.eos_token_ids == {EOS_ID}
+
+
+def test_native_chat_reads_developer_as_system_as_http_does(harness) -> None:
+    h = harness
+
+    async def main() -> tuple:
+        async with h.channel() as ch:
+            stub = pb_grpc.ApplianceStub(ch)
+            dev = await stub.Tokenize(
+                pb.TokenizeRequest(chat=_chat(("developer", "be"), ("user", "hi")))
+            )
+            sys = await stub.Tokenize(
+                pb.TokenizeRequest(chat=_chat(("system", "be"), ("user", "hi")))
+            )
+            return list(dev.token_ids), list(sys.token_ids)
+
+    dev, sys = h.run(main())
+    assert dev == sys
 
 
 def test_bytes_that_are_not_a_message_are_invalid_argument(harness) -> None:

@@ -128,7 +128,7 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str | None, str | None]] =
     ("messages not a list", "POST", "/v1/chat/completions", {"json": {"messages": "hi"}}, 400, "messages", None),
     ("message without role", "POST", "/v1/chat/completions", {"json": {"messages": [{"content": "x"}]}}, 400, "messages.0.role", "missing_required_parameter"),
     ("message unknown key", "POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": "x", "mood": 1}]}}, 400, "messages.0.mood", "unknown_parameter"),
-    ("text part without text", "POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": [{"type": "text"}]}]}}, 400, "messages.0.content.0.type", "unsupported_parameter"),
+    ("text part without text", "POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": [{"type": "text"}]}]}}, 400, "messages.0.content.0.text", "missing_required_parameter"),
     ("max_completion_tokens 0", "POST", "/v1/chat/completions", {"json": {"messages": MSGS, "max_completion_tokens": 0}}, 400, "max_completion_tokens", None),
     ("chat n beyond max_n", "POST", "/v1/chat/completions", {"json": {**CHAT, "n": 17}}, 400, "n", None),
     ("chat top_logprobs 21", "POST", "/v1/chat/completions", {"json": {**CHAT, "logprobs": True, "top_logprobs": 21}}, 400, "top_logprobs", None),
@@ -149,6 +149,15 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str | None, str | None]] =
     ("detokenize string", "POST", "/detokenize", {"json": {"tokens": "abc"}}, 400, "tokens", None),
     ("detokenize missing", "POST", "/detokenize", {"json": {}}, 400, "tokens", "missing_required_parameter"),
     ("detokenize huge id", "POST", "/detokenize", {"json": {"tokens": [10**30]}}, 400, "tokens", None),
+    # ---- R2 (issue 19, finding 10): seeds are int64, logit_bias keys canonical ids -----------
+    ("seed 2**63", "POST", "/v1/completions", {"json": {**CMPL, "seed": 2**63}}, 400, "seed", None),
+    ("seed 2**64 (wrapped to 0)", "POST", "/v1/completions", {"json": {**CMPL, "seed": 2**64}}, 400, "seed", None),
+    ("seed below -2**63", "POST", "/v1/chat/completions", {"json": {**CHAT, "seed": -(2**63) - 1}}, 400, "seed", None),
+    ("logit_bias key with a space", "POST", "/v1/completions", {"json": {**CMPL, "logit_bias": {" 5": 1}}}, 400, "logit_bias", None),
+    ("logit_bias key with a plus", "POST", "/v1/completions", {"json": {**CMPL, "logit_bias": {"+5": 1}}}, 400, "logit_bias", None),
+    ("logit_bias key with an underscore", "POST", "/v1/completions", {"json": {**CMPL, "logit_bias": {"5_0": 1}}}, 400, "logit_bias", None),
+    ("logit_bias key in arabic digits", "POST", "/v1/chat/completions", {"json": {**CHAT, "logit_bias": {"\u0665": 1}}}, 400, "logit_bias", None),
+    ("logit_bias key with a leading zero", "POST", "/v1/completions", {"json": {**CMPL, "logit_bias": {"5": 1, "05": -1}}}, 400, "logit_bias", None),
 ]  # fmt: skip
 
 

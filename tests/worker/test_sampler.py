@@ -304,3 +304,27 @@ def test_row_argmax_keeps_torch_tie_and_nan_rules():
     assert row_argmax(x).tolist() == x.argmax(dim=-1).tolist() == [1, 0, 2, 1]
     assert row_argmax(x.double()).tolist() == [1, 0, 2, 1]  # other dtypes: torch itself
     assert row_argmax(x[:, 1:]).tolist() == x[:, 1:].argmax(dim=-1).tolist()  # strided view
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_whose_masks_leave_no_token_fails_and_never_gets_token_0(temperature):
+    """allowed_token_ids=[2] with 2 an EOS id masked under min_tokens: nothing is left. The
+    row is reported failed, naming its masks; its neighbours sample as usual."""
+    logits = torch.tensor([[5.0, 0.0, 1.0, 0.5]] * 3)
+    rows = [
+        row(temperature=0.0),
+        row(temperature=temperature, allowed_token_ids=[2], min_tokens=3, eos=(2,), logprobs=1),
+        row(temperature=0.0, allowed_token_ids=[1, 3]),
+    ]
+    out = Sampler()(logits, rows)
+    assert list(out.failed) == [1]
+    assert "allowed_token_ids" in out.failed[1] and "min_tokens=3" in out.failed[1]
+    assert out.token_ids == [0, -1, 3]
+    assert out.logprobs[1] is None
+
+
+def test_a_row_left_with_only_minus_inf_logits_by_the_model_fails_too():
+    """The runtime-only case: the allowed ids are all -inf in the model's own logits."""
+    logits = torch.tensor([[5.0, NEG_INF, NEG_INF, 0.5]])
+    out = Sampler()(logits, [row(temperature=1.0, allowed_token_ids=[1, 2], seed=3)])
+    assert out.failed and out.token_ids == [-1]

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from engine.async_engine import AsyncEngine
 from engine.request_stream import FinishedRequest
+from engine.worker.status import AcceleratorStatus
 
 PREFIX = "appliance"
 
@@ -59,6 +60,7 @@ class _EngineCollector(Collector):
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        yield from _accelerator_metrics(self.aeng.accelerator)
         counters = (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits),
@@ -69,6 +71,26 @@ class _EngineCollector(Collector):
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def _accelerator_metrics(acc: AcceleratorStatus) -> Iterator[Metric]:
+    """The attention backend as an info gauge; one series per fallback, with its reason."""
+    info = GaugeMetricFamily(
+        f"{PREFIX}_attention_backend_info",
+        "1 for the attention backend in use (flashinfer or torch).",
+        labels=["backend"],
+    )
+    info.add_metric([acc.attention_backend], 1)
+    yield info
+    fallback = GaugeMetricFamily(
+        f"{PREFIX}_accelerator_fallback",
+        "1 per component (attention, decode_graphs) that fell back from the fast path at "
+        "start-up, labelled with the reason; absent when nothing fell back.",
+        labels=["component", "reason"],
+    )
+    for component, reason in acc.fallbacks().items():
+        fallback.add_metric([component, reason], 1)
+    yield fallback
 
 
 class ApplianceMetrics:

@@ -62,6 +62,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.llm_engine import EngineStats
+    from engine.worker.status import AcceleratorStatus
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class SteppedEngine(Protocol):
     tokenizer: Any
     model_name: str
     max_model_len: int
+    accelerator: AcceleratorStatus  # attention backend, decode graphs, fallback reasons
 
     def prepare_request(
         self,
@@ -194,6 +196,11 @@ class AsyncEngine:
     @property
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive() and self._hung_for() is None
+
+    @property
+    def accelerator(self) -> AcceleratorStatus:
+        """The attention backend and decode graphs the engine runs with (fixed at start-up)."""
+        return self.engine.accelerator
 
     @property
     def is_accepting(self) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
 
 
 class ConfigError(ValueError):
@@ -127,6 +128,10 @@ class RuntimeConfig:
     # Decode batch sizes to capture; None: graphs' default (graphs.buckets.capture_sizes).
     capture_sizes: tuple[int, ...] | None = None
     compile_cache_dir: str | None = None
+    # auto: FlashInfer on a CUDA device with a 16-bit model when its start-up probe passes,
+    # else the torch backend, with the reason in /health and metrics. flashinfer: the probe
+    # must pass or start-up stops. torch: the torch paged backend everywhere.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         dev = self.device
@@ -143,6 +148,11 @@ class RuntimeConfig:
                 "runtime.capture_sizes",
                 "must be a non-empty list of positive integers",
             )
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "runtime.attention_backend",
+            f"must be one of {ATTENTION_BACKENDS}",
+        )
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ _OVERRIDES = {
     "compile": ("runtime", "compile"),
     "cuda_graphs": ("runtime", "cuda_graphs"),
     "cpu_kernels": ("runtime", "cpu_kernels"),
+    "attention_backend": ("runtime", "attention_backend"),
 }
 _SECTIONS = {
     "model": ModelConfig,

@@ -96,6 +96,8 @@ class LLMEngine:
         num_blocks = self._size_kv_cache(geom)
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+        # Attention backend and decode graphs as they ended up, with any fallback's reason.
+        self.accelerator = self.runner.status
         self.kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -106,9 +108,10 @@ class LLMEngine:
         self._step_output: SchedulerOutput | None = None
         logger.info(
             "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d "
-            "max_model_len=%d load_s=%.1f",
+            "max_model_len=%d attention=%s decode_graphs=%s load_s=%.1f",
             self.model_name, self.device, loaded.dtype, num_blocks, block_size,
-            self.max_model_len, time.perf_counter() - t0,
+            self.max_model_len, self.accelerator.attention_backend,
+            self.accelerator.decode_graphs, time.perf_counter() - t0,
         )  # fmt: skip
 
     # ---- set-up ---------------------------------------------------------------------------

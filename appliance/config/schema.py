@@ -53,6 +53,7 @@ class RuntimeSection:
     device: str = "auto"
     num_threads: int | None = None
     cpu_kernels: bool = True
+    attention_backend: str = "auto"  # auto | flashinfer | torch (see RuntimeConfig)
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,7 @@ class AppConfig:
                 device=self.runtime.device,
                 num_threads=self.runtime.num_threads,
                 cpu_kernels=self.runtime.cpu_kernels,
+                attention_backend=self.runtime.attention_backend,
                 **{name: getattr(self.graphs, name) for name in _GRAPHS_FIELDS},
             )
         except ConfigError as e:

@@ -42,7 +42,9 @@ ROUTES: tuple[RouteDoc, ...] = (
              "Token ids of a prompt or of chat messages", True),
     RouteDoc("POST", "/detokenize", p.DetokenizeRequest, p.DetokenizeResponse,
              "Text of token ids", True),
-    RouteDoc("GET", "/health", None, p.StatusResponse, "200 while the engine is alive", False),
+    RouteDoc("GET", "/health", None, p.HealthResponse,
+             "200 while the engine is alive; the attention backend, decode graphs and the "
+             "reason for any fallback", False),
     RouteDoc("GET", "/ready", None, p.StatusResponse, "200 while accepting requests", False),
     RouteDoc("GET", "/version", None, p.VersionResponse, "Server version", False),
     RouteDoc("GET", "/metrics", None, None, "Prometheus metrics", False,

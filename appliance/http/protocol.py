@@ -272,6 +272,16 @@ class StatusResponse(ResponseModel):
     status: Literal["ok"] = "ok"
 
 
+class HealthResponse(StatusResponse):
+    """Liveness, and what the engine runs on: a fallback from FlashInfer or CUDA graphs makes
+    a model several times slower, so its reason is shown here (and in metrics)."""
+
+    attention_backend: str  # flashinfer | torch
+    attention_fallback_reason: str | None = None
+    decode_graphs: bool
+    graphs_fallback_reason: str | None = None
+
+
 class ErrorInfo(ResponseModel):
     message: str
     type: str

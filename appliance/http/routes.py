@@ -11,6 +11,7 @@ from appliance.http.errors import UNAVAILABLE, APIError, bad_request
 from appliance.http.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     StatusResponse,
@@ -52,7 +53,15 @@ async def health(request: Request) -> Response:
         return APIError(
             503, f"engine is not running: {aeng.dead_reason}", UNAVAILABLE, None, "engine_dead"
         ).response()
-    return _json(StatusResponse())
+    acc = aeng.accelerator
+    return _json(
+        HealthResponse(
+            attention_backend=acc.attention_backend,
+            attention_fallback_reason=acc.attention_fallback_reason,
+            decode_graphs=acc.decode_graphs,
+            graphs_fallback_reason=acc.graphs_fallback_reason,
+        )
+    )
 
 
 async def ready(request: Request) -> Response:

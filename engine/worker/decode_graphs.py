@@ -245,18 +245,20 @@ def build_graph_runner(
     block_size: int,
     max_num_seqs: int,
     max_model_len: int,
+    graph_factory: GraphFactory | None = None,
 ) -> GraphRunner | None:
-    """A captured GraphRunner, or None (with the reason logged) when graphs cannot be used.
+    """A captured GraphRunner, or None (with the reason logged) when graphs are not to be used.
 
-    None when `enabled` (runtime.cuda_graphs) is off, the device is not CUDA, or the backend
-    has no graph-safe decode path (the torch backend reads host lists every step). `sizes`:
-    runtime.capture_sizes (None: graphs' default). Call after the final KV cache allocation
-    and after the model is compiled, before serving.
+    None when `enabled` (runtime.cuda_graphs) is off, the device is not CUDA (and no
+    `graph_factory` stand-in is given), or the backend has no graph-safe decode path (the
+    torch backend reads host lists every step). `sizes`: runtime.capture_sizes (None:
+    graphs' default). A capture error propagates (the runner falls back to eager decode).
+    Call after the final KV cache allocation and after the model is compiled, before serving.
     """
     reason = None
     if not enabled:
         reason = "runtime.cuda_graphs is off"
-    elif device.type != "cuda":
+    elif device.type != "cuda" and graph_factory is None:
         reason = f"device is {device.type}"
     elif not getattr(backend, "supports_cuda_graphs", False):
         reason = f"the {backend.name} attention backend cannot be captured"
@@ -271,6 +273,8 @@ def build_graph_runner(
         device,
         block_size=block_size,
         max_blocks_per_seq=-(-max_model_len // block_size),
+        use_graphs=True,
+        graph_factory=graph_factory,
     )
     runner.capture()
     return runner

@@ -7,35 +7,87 @@ step arrives in the `SchedulerOutput`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from engine.config import RuntimeConfig
+from engine.config import ConfigError, RuntimeConfig
 from engine.core.step_io import PromptLogprobsChunk, RunnerOutput, SchedulerOutput
-from engine.worker.attention.base import AttentionBackend, ForwardContext
+from engine.worker.attention.base import AttentionBackend, AttentionLayerSpec, ForwardContext
 from engine.worker.decode_graphs import GraphRunner, build_graph_runner
 from engine.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 from engine.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_generator
+from engine.worker.status import AcceleratorStatus, describe_error
+from graphs.cuda_graphs import GraphFactory
 
 logger = logging.getLogger(__name__)
 
 
-def select_attention_backend(
-    device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True
-) -> AttentionBackend:
-    """FlashInfer on CUDA (16-bit caches) when it imports and works; the torch backend else."""
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        try:
-            from engine.worker.attention.flashinfer import FlashInferBackend
+@dataclass
+class AttentionChoice:
+    backend: AttentionBackend
+    # Why FlashInfer was wanted (auto, on CUDA) but not used; None when it runs or was not
+    # wanted (the CPU, or runtime.attention_backend: torch).
+    fallback_reason: str | None = None
 
-            return FlashInferBackend(device)
-        except Exception as e:  # noqa: BLE001 - any import/init failure falls back
-            logger.warning("flashinfer unavailable (%s); using the torch paged backend", e)
+
+def select_attention_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    cpu_kernels: bool = True,
+    *,
+    setting: str = "auto",
+    specs: Sequence[AttentionLayerSpec] = (),
+    block_size: int = 16,
+    flashinfer_module: Any = None,
+) -> AttentionChoice:
+    """The attention backend for `setting` (runtime.attention_backend).
+
+    FlashInfer is tried with `flashinfer` always and with `auto` on CUDA (or wherever a
+    stand-in `flashinfer_module` is given, as tests do): it must be importable as a 0.7.x
+    release, take the model's dtype, and pass `probe_attention` over `specs` (the model's
+    layers) with `block_size`. Under `auto` any failure falls back to the torch backend with
+    the reason logged and returned; under `flashinfer` it raises `ConfigError` naming
+    runtime.attention_backend with that reason.
+    """
     from engine.worker.attention.torch_paged import TorchPagedBackend
 
-    return TorchPagedBackend(native=cpu_kernels)
+    wanted = setting == "flashinfer" or (
+        setting == "auto" and (device.type == "cuda" or flashinfer_module is not None)
+    )
+    if not wanted:
+        return AttentionChoice(TorchPagedBackend(native=cpu_kernels))
+    try:
+        backend = _probed_flashinfer(device, dtype, specs, block_size, flashinfer_module)
+    except Exception as e:  # noqa: BLE001 - import, version, JIT, plan, run: all fall back
+        reason = describe_error(e)
+        if setting == "flashinfer":
+            raise ConfigError(
+                "runtime.attention_backend", f"flashinfer cannot run here: {reason}"
+            ) from e
+        logger.warning(
+            "attention falls back to the torch backend (runtime.attention_backend auto): %s",
+            reason,
+        )
+        return AttentionChoice(TorchPagedBackend(native=cpu_kernels), reason)
+    return AttentionChoice(backend)
+
+
+def _probed_flashinfer(device, dtype, specs, block_size, flashinfer_module) -> AttentionBackend:
+    from engine.worker.attention.flashinfer import FlashInferBackend, FlashInferUnavailable
+    from engine.worker.attention.probe import probe_attention
+
+    backend = FlashInferBackend(device, flashinfer_module=flashinfer_module)
+    if dtype not in backend.cache_dtypes:
+        raise FlashInferUnavailable(
+            f"FlashInfer runs fp16/bf16 caches, not {dtype}; set model.dtype auto or bfloat16"
+        )
+    probe_attention(backend, specs, block_size, dtype, device)
+    return backend
 
 
 class ModelRunner:
@@ -57,15 +109,28 @@ class ModelRunner:
         *,
         eos_token_ids: Iterable[int] = (),
         backend: AttentionBackend | None = None,
+        flashinfer_module: Any = None,
     ):
         """`eos_token_ids`: the model's EOS ids, masked until a request reaches min_tokens.
-        `backend`: the attention backend (default: FlashInfer on CUDA, the torch one else)."""
+        `backend`: the attention backend (default: `select_attention_backend` for
+        runtime.attention_backend, probed with the model's layers). `flashinfer_module`: a
+        stand-in for the flashinfer module (tests)."""
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.runtime = runtime
         cpu_kernels = runtime.cpu_kernels and not runtime.compile
-        self.backend = backend or select_attention_backend(device, dtype, cpu_kernels)
+        if backend is None:
+            choice = select_attention_backend(
+                device, dtype, cpu_kernels, setting=runtime.attention_backend,
+                specs=model.attention_specs, block_size=block_size,
+                flashinfer_module=flashinfer_module,
+            )  # fmt: skip
+        else:
+            choice = AttentionChoice(backend)
+        self.backend = choice.backend
+        # What runs attention and decode, and why not the fast path; final after capture.
+        self.status = AcceleratorStatus(choice.backend.name, choice.fallback_reason)
         if cpu_kernels and device.type == "cpu" and hasattr(model, "enable_cpu_kernels"):
             logger.info("CPU kernels: %s", model.enable_cpu_kernels())
         if runtime.compile:  # imported here: torch._dynamo alone takes a second to import
@@ -98,16 +163,31 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache[dst] = cache[src]
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+    def capture_graphs(
+        self, max_num_seqs: int, max_model_len: int, graph_factory: GraphFactory | None = None
+    ) -> None:
         """Captures decode graphs per batch bucket (CUDA only; a no-op that logs why else).
 
+        A capture that fails leaves decode eager, with the reason logged and in `status`.
         Must run after the final KV allocation and before any request holds blocks: the
-        all-padding capture batch writes into block 0."""
-        self.graph_runner = build_graph_runner(
-            self.model, self.backend, self.kv_caches, self.device,
-            enabled=self.runtime.cuda_graphs, sizes=self.runtime.capture_sizes,
-            block_size=self.block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        )  # fmt: skip
+        all-padding capture batch writes into block 0. `graph_factory`: a stand-in recorder
+        (tests; it also lets the capture path run off CUDA)."""
+        try:
+            self.graph_runner = build_graph_runner(
+                self.model, self.backend, self.kv_caches, self.device,
+                enabled=self.runtime.cuda_graphs, sizes=self.runtime.capture_sizes,
+                block_size=self.block_size, max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, graph_factory=graph_factory,
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - any capture failure: decode stays eager
+            reason = describe_error(e)
+            logger.warning("decode graph capture failed, decode runs eagerly: %s", reason)
+            self.graph_runner = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the partial graphs' pool
+            self.status = dataclasses.replace(self.status, graphs_fallback_reason=reason)
+            return
+        self.status = dataclasses.replace(self.status, decode_graphs=self.graph_runner is not None)
 
     # ---- state updates --------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -22,6 +22,7 @@ from appliance.config import ServerConfig
 from appliance.http.app import ENDPOINTS, build_app
 from appliance.http.openapi import build_openapi
 from engine.async_engine import AsyncEngine
+from engine.worker.status import AcceleratorStatus
 from tests.support.fake_engine import FakeLLMEngine
 from tests.support.waiting import HANG_S, StepGate, wait_for, wait_for_async
 
@@ -375,3 +376,34 @@ def test_prompts_reach_the_logs_only_with_log_prompts(caplog, log_prompts):
     logged = json.dumps([getattr(r, "fields", None) for r in caplog.records], default=str)
     assert ("secret words" in logged and "secret chat" in logged) == log_prompts
     assert "completion done" in caplog.text
+
+
+def test_health_and_metrics_show_the_attention_backend_and_each_fallback_reason():
+    async def fn(c, fake, aeng):
+        fake.accelerator = AcceleratorStatus("flashinfer", decode_graphs=True)
+        body = (await c.get("/health")).json()
+        assert body == {"status": "ok", "attention_backend": "flashinfer",
+                        "attention_fallback_reason": None, "decode_graphs": True,
+                        "graphs_fallback_reason": None}  # fmt: skip
+        fams = {f.name: f for f in text_string_to_metric_families((await c.get("/metrics")).text)}
+        assert [s.labels for s in fams["appliance_attention_backend_info"].samples] == [
+            {"backend": "flashinfer"}
+        ]
+        assert fams["appliance_accelerator_fallback"].samples == []
+
+        fake.accelerator = AcceleratorStatus(
+            "torch", "RuntimeError: ninja build failed", False, "RuntimeError: capture failed"
+        )
+        body = (await c.get("/health")).json()
+        assert body["attention_backend"] == "torch"
+        assert body["attention_fallback_reason"] == "RuntimeError: ninja build failed"
+        assert body["graphs_fallback_reason"] == "RuntimeError: capture failed"
+        fams = {f.name: f for f in text_string_to_metric_families((await c.get("/metrics")).text)}
+        fallback = {s.labels["component"]: (s.labels["reason"], s.value)
+                    for s in fams["appliance_accelerator_fallback"].samples}  # fmt: skip
+        assert fallback == {
+            "attention": ("RuntimeError: ninja build failed", 1.0),
+            "decode_graphs": ("RuntimeError: capture failed", 1.0),
+        }
+
+    run(_with_client(fn))

@@ -16,6 +16,7 @@ from engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.output.request_output import RequestDelta, RequestMetrics, SampleDelta
 from engine.sampling_params import SamplingParams
+from engine.worker.status import AcceleratorStatus
 
 
 class FakeTokenizer:
@@ -85,6 +86,7 @@ class FakeLLMEngine:
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.device = "cpu"
+        self.accelerator = AcceleratorStatus("torch")
         self.fail_steps = 0  # the next N steps raise
         self.thread_ids: set[int] = set()
         self.aborted: list[str] = []

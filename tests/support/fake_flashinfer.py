@@ -84,7 +84,7 @@ class _FakePrefill(_FakeWrapper):
 
 
 class FakeFlashInfer:
-    __version__ = "fake"
+    __version__ = "0.7.2.post1"  # the series the backend accepts
     BatchDecodeWithPagedKVCacheWrapper = _FakeWrapper
     BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
 

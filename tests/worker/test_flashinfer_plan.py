@@ -19,8 +19,11 @@ from engine.worker.attention.base import AttentionLayerSpec
 from engine.worker.attention.flashinfer import (
     FlashInferBackend,
     FlashInferUnavailable,
+    PlanKey,
     build_step_arrays,
     call_compat,
+    check_version,
+    device_page_indices,
     import_flashinfer,
     slot_write_indices,
     write_kv,
@@ -118,11 +121,13 @@ def test_import_on_cpu_says_why_flashinfer_is_unavailable():
         import_flashinfer(torch.device("cpu"))
 
 
-def test_call_compat_drops_keywords_an_older_version_lacks():
-    def plan(indptr, indices, *, window_left=-1):
-        return indptr, indices, window_left
+def test_call_compat_drops_only_keywords_that_pick_a_kernel():
+    def plan(indptr, indices, *, window_left=-1, logits_soft_cap=0.0):
+        return indptr, indices, window_left, logits_soft_cap
 
-    assert call_compat(plan, 1, 2, window_left=3, kv_data_type="bf16") == (1, 2, 3)
+    assert call_compat(plan, 1, 2, window_left=3, use_tensor_cores=True, backend="fa2") == (
+        1, 2, 3, 0.0,
+    )  # fmt: skip
 
     def plan_any(a, **kwargs):
         return kwargs
@@ -131,6 +136,75 @@ def test_call_compat_drops_keywords_an_older_version_lacks():
         "window_left": 3,
         "kv_data_type": "x",
     }
+
+
+@pytest.mark.parametrize("keyword", ["window_left", "logits_soft_cap", "kv_data_type"])
+def test_call_compat_refuses_to_drop_a_keyword_that_changes_attention(keyword):
+    def plan(indptr, indices, *, sm_scale=None):  # a version without the keyword
+        return indptr
+
+    with pytest.raises(FlashInferUnavailable, match=f"does not accept \\['{keyword}'\\]"):
+        call_compat(plan, 1, 2, sm_scale=0.5, **{keyword: 1})
+
+
+def test_graph_wrapper_refused_by_a_version_without_use_cuda_graph():
+    class OldDecode:  # no graph mode: its kernels would read host-planned, moving arrays
+        def __init__(self, workspace, kv_layout="NHD", use_tensor_cores=False):
+            pass
+
+    module = type("OldFlashInfer", (FakeFlashInfer,), {})
+    module.BatchDecodeWithPagedKVCacheWrapper = OldDecode
+    fi = FlashInferBackend(torch.device("cpu"), workspace_bytes=16, flashinfer_module=module)
+    with pytest.raises(FlashInferUnavailable, match="use_cuda_graph"):
+        fi.make_graph_state(1, max_num_pages=4, specs=[_spec()], dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("version", ["0.6.1", "0.8.0", "1.7.2", "", "fake"])
+def test_other_flashinfer_releases_are_refused_with_the_version(version):
+    module = type("Other", (FakeFlashInfer,), {"__version__": version})
+    with pytest.raises(FlashInferUnavailable, match="not a 0.7.x release"):
+        FlashInferBackend(torch.device("cpu"), workspace_bytes=16, flashinfer_module=module)
+    assert check_version(FakeFlashInfer) == "0.7.2.post1"
+    assert check_version(type("Post", (), {"__version__": "0.7.0rc1"})) == "0.7.0rc1"
+
+
+def test_group_of_four_query_heads_gets_tensor_core_decode():
+    fi = fake_backend()
+
+    def key(heads, kv_heads):
+        return PlanKey(heads, kv_heads, 128, 0.1, -1, 0.0, torch.bfloat16, torch.bfloat16)
+
+    assert fi._use_tensor_cores(key(32, 8))  # Llama-3-8B: group 4
+    assert fi._use_tensor_cores(key(64, 8))
+    assert not fi._use_tensor_cores(key(16, 8))
+    assert not fi._use_tensor_cores(key(12, 4))
+
+
+def test_prefill_wrappers_use_the_fa2_backend_by_default():
+    made = []
+
+    class Recording(FakeFlashInfer.BatchPrefillWithPagedKVCacheWrapper):
+        def __init__(self, *args, backend="auto", **kwargs):
+            made.append(backend)
+            super().__init__(*args, **kwargs)
+
+    module = type("Rec", (FakeFlashInfer,), {"BatchPrefillWithPagedKVCacheWrapper": Recording})
+    fi = FlashInferBackend(torch.device("cpu"), workspace_bytes=16, flashinfer_module=module)
+    fi._new_prefill()
+    assert made == ["fa2"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_page_indices_equal_the_host_plan(seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs, width, bs = 6, 9, 4
+    lens = torch.randint(1, width * bs + 1, (num_reqs,), generator=gen)
+    tables = torch.randint(0, 100, (num_reqs + 2, width + 3), generator=gen, dtype=torch.int32)
+    view = tables[:num_reqs, :width]  # a non-contiguous view, like a bucket's block table
+    plan = build_paged_kv_plan(view.numpy(), lens.tolist(), list(range(num_reqs + 1)), bs)
+    got = device_page_indices(view, lens.to(torch.int32), bs, plan.num_pages)
+    assert got.dtype == torch.int32
+    assert got.tolist() == plan.paged_kv_indices.tolist()
 
 
 def _spec(window: int | None = None, soft_cap: float | None = None) -> AttentionLayerSpec:

@@ -1,8 +1,11 @@
 """FlashInfer paged attention for CUDA: the GPU fast path over the shared NHD paged cache.
 
-flashinfer is imported here, lazily, only for a CUDA device; any failure (not installed, no
-kernels for this GPU, a JIT compiler missing) raises `FlashInferUnavailable` with the reason,
-and the runner falls back to the torch backend.
+flashinfer is imported here, lazily, only for a CUDA device, and must be a 0.7.x release (the
+version this code is written and checked against). Any failure (not installed, another
+version, a keyword this version would drop) raises `FlashInferUnavailable` with the reason;
+kernels are JIT-built at the first `plan()`/`run()`, which the start-up probe
+(`attention/probe.py`) makes happen before serving, so a failed build falls back to the torch
+backend there (`runtime.attention_backend: auto`) or stops start-up (`flashinfer`).
 
 Per step (`begin_step`) the host builds the CSR plan arrays (`flashinfer_plan`) once; each
 distinct kind of layer (heads, scale, window, soft cap, dtypes) gets one wrapper whose
@@ -29,7 +32,6 @@ import torch
 
 from engine.worker.attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from engine.worker.attention.flashinfer_plan import (
-    page_gather_index,
     paged_kv_indptr,
     paged_kv_last_page_len,
     window_left,
@@ -39,6 +41,16 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WORKSPACE_BYTES = 256 << 20  # FlashInfer's split-KV scratch; its docs suggest 128 MiB
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# The release series the keywords and plan arguments here were checked against (0.7.2.post1).
+SUPPORTED_VERSION = "0.7"
+# FA2 for prefill (and tensor-core decode): the one built and checked on Hopper so far; "auto"
+# would pick FA3 there, a much longer JIT build that has not been measured yet.
+DEFAULT_PREFILL_BACKEND = "fa2"
+# Keywords that only choose a kernel, never the result: dropped with a log line when a
+# version lacks them. Any other keyword (window_left, logits_soft_cap, sm_scale, causal,
+# use_cuda_graph and its buffers, the data types) changes what attention computes, so a
+# version that would drop it is refused instead.
+OPTIONAL_KWARGS = frozenset({"use_tensor_cores", "backend"})
 
 
 class FlashInferUnavailable(RuntimeError):
@@ -58,6 +70,18 @@ def import_flashinfer(device: torch.device) -> Any:
     return flashinfer
 
 
+def check_version(module: Any) -> str:
+    """`module.__version__` when it is a 0.7.x release; `FlashInferUnavailable` else."""
+    version = str(getattr(module, "__version__", ""))
+    series = ".".join(version.split(".")[:2])
+    if series != SUPPORTED_VERSION:
+        raise FlashInferUnavailable(
+            f"flashinfer {version or '(no __version__)'} is not a {SUPPORTED_VERSION}.x release; "
+            f"this engine's calls are checked against {SUPPORTED_VERSION}.x (0.7.2.post1)"
+        )
+    return version
+
+
 @functools.cache
 def _accepted_kwargs(fn: Callable) -> frozenset[str] | None:
     """Keyword names `fn` accepts; None when it takes **kwargs (accepts any)."""
@@ -68,18 +92,25 @@ def _accepted_kwargs(fn: Callable) -> frozenset[str] | None:
 
 
 def call_compat(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Call a FlashInfer API, dropping keywords this version does not know (0.2 ... 0.7).
+    """Call a FlashInfer API, passing every option by name.
 
-    Positional arguments are the ones stable across those versions; everything optional is
-    passed by name, so a renamed or reordered optional parameter cannot be silently
-    misassigned.
+    A keyword `fn` does not take is dropped (logged) only when it is in `OPTIONAL_KWARGS`;
+    dropping any other would change the attention computed, so that raises
+    `FlashInferUnavailable` naming it. Positional arguments are the ones stable across
+    releases; a renamed or reordered optional parameter cannot be silently misassigned.
     """
     accepted = _accepted_kwargs(getattr(fn, "__func__", fn))
     if accepted is not None:
         dropped = sorted(k for k in kwargs if k not in accepted)
+        required = [k for k in dropped if k not in OPTIONAL_KWARGS]
+        if required:
+            raise FlashInferUnavailable(
+                f"{fn.__qualname__} does not accept {required}: this flashinfer would compute "
+                "different attention than asked"
+            )
         if dropped:
-            logger.debug("%s ignores unsupported arguments %s", fn.__qualname__, dropped)
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+            logger.info("%s ignores optional arguments %s", fn.__qualname__, dropped)
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     return fn(*args, **kwargs)
 
 
@@ -126,20 +157,41 @@ class _StepArrays:
 
 
 def build_step_arrays(metadata: AttentionMetadata) -> _StepArrays:
-    """The step's plan arrays; page indices are gathered on the block table's device."""
+    """The step's plan arrays: CSR offsets on the host (from the host seq_lens, as `plan()`
+    wants them), page indices gathered on the block table's device with no host round trip."""
     seq_lens = metadata.seq_lens_cpu[: metadata.num_reqs]
     bs = metadata.block_size
-    table = metadata.block_tables
-    gather = torch.from_numpy(page_gather_index(seq_lens, bs, table.shape[1]))
-    indices = table.reshape(-1).index_select(0, gather.to(table.device, non_blocking=True))
+    kv_indptr = paged_kv_indptr(seq_lens, bs)
+    n = metadata.num_reqs
+    indices = device_page_indices(
+        metadata.block_tables[:n], metadata.seq_lens[:n], bs, int(kv_indptr[-1])
+    )
     return _StepArrays(
         metadata=metadata,
         decode_only=metadata.is_decode_only,
         qo_indptr=torch.tensor(metadata.query_start_loc_cpu, dtype=torch.int32),
-        kv_indptr=torch.from_numpy(paged_kv_indptr(seq_lens, bs)),
+        kv_indptr=torch.from_numpy(kv_indptr),
         kv_last_page_len=torch.from_numpy(paged_kv_last_page_len(seq_lens, bs)),
-        kv_indices=indices.to(torch.int32),
+        kv_indices=indices,
     )
+
+
+def device_page_indices(
+    block_tables: torch.Tensor,  # [R, width] int32, on the device
+    seq_lens: torch.Tensor,  # [R] int32, on the device
+    block_size: int,
+    num_pages: int,  # sum of ceil(seq_lens / block_size), known on the host
+) -> torch.Tensor:  # [num_pages] int32: each request's first ceil(len / bs) table entries
+    """`paged_kv_indices` computed where the tables live, with no host copy and no sync
+    (`num_pages` sizes every output). Equals `flashinfer_plan.build_paged_kv_plan`'s."""
+    dev = block_tables.device
+    pages = (seq_lens.long() + block_size - 1) // block_size  # [R]
+    rows = torch.repeat_interleave(
+        torch.arange(pages.shape[0], device=dev), pages, output_size=num_pages
+    )  # [num_pages]: the request each page belongs to
+    first = torch.cumsum(pages, 0) - pages  # [R]: each request's first page in the flat list
+    cols = torch.arange(num_pages, device=dev) - first.index_select(0, rows)
+    return block_tables[rows, cols].to(torch.int32)
 
 
 @dataclass
@@ -166,15 +218,18 @@ class FlashInferBackend(AttentionBackend):
         self,
         device: torch.device,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
-        prefill_backend: str = "auto",
+        prefill_backend: str = DEFAULT_PREFILL_BACKEND,
         decode_tensor_cores: bool | None = None,
         flashinfer_module: Any = None,
     ):
-        """`decode_tensor_cores=None` uses tensor-core decode when a KV head serves > 4 query
-        heads, where FlashInfer's CUDA-core decode kernel stops being the faster one.
+        """`decode_tensor_cores=None` uses tensor-core decode when a KV head serves >= 4 query
+        heads (Llama-3-8B's group of 4 included, as mini-sglang does), where FlashInfer's
+        CUDA-core decode kernel stops being the faster one. `prefill_backend`: FlashInfer's
+        prefill implementation ("fa2" by default, see DEFAULT_PREFILL_BACKEND).
         `flashinfer_module` replaces the real import (tests drive the planning logic with a
-        stand-in on the CPU)."""
+        stand-in on the CPU); its version is checked like the real one's."""
         self._fi = flashinfer_module or import_flashinfer(device)
+        version = check_version(self._fi)
         self.device = device
         self.prefill_backend = prefill_backend
         self.decode_tensor_cores = decode_tensor_cores
@@ -184,7 +239,6 @@ class FlashInferBackend(AttentionBackend):
         self._step: _StepArrays | None = None
         self._graph: DecodeGraphState | None = None
         self._graph_indices: torch.Tensor | None = None
-        version = getattr(self._fi, "__version__", "?")
         logger.info("flashinfer %s backend on %s", version, device)
 
     # ---- per-step planning ------------------------------------------------------------------
@@ -195,7 +249,7 @@ class FlashInferBackend(AttentionBackend):
     def _use_tensor_cores(self, key: PlanKey) -> bool:
         if self.decode_tensor_cores is not None:
             return self.decode_tensor_cores
-        return key.num_heads // key.num_kv_heads > 4
+        return key.num_heads // key.num_kv_heads >= 4
 
     def _new_decode(self, key: PlanKey, **graph_buffers: torch.Tensor) -> Any:
         return call_compat(

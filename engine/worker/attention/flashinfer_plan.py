@@ -13,8 +13,9 @@ FlashInfer describes a batch of paged sequences in CSR form. For request i with 
       pages 3 -> indices [7, 2, 9], last page holds 35 - 32 = 3 tokens
 
 Everything here is NumPy on the host so it is exact, cheap and testable without a GPU. The
-device-side `paged_kv_indices` is gathered from the device block table with
-`page_gather_index`, so planning never reads the block table back to the host.
+backend computes `paged_kv_indices` on the device from the device block table
+(`flashinfer.device_page_indices`, checked against `build_paged_kv_plan` here), so planning
+never reads the block table back to the host nor copies an index array to the device.
 """
 
 from __future__ import annotations

@@ -85,6 +85,9 @@ class ServerConfig:
     # ids) are tokenized in a worker thread, so one huge input cannot stall every other
     # stream on the event loop. One threshold for HTTP, gRPC and the engine's admission.
     offload_prompt_chars: int = 8192
+    # gRPC calls held before a handler takes them; past it gRPC core cancels new calls
+    # (CANCELLED) instead of the queue refusing them (RESOURCE_EXHAUSTED).
+    grpc_max_pending_calls: int = 16384
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "server.host", "must not be empty")
@@ -103,6 +106,7 @@ class ServerConfig:
         if self.step_timeout_s is not None:
             _require(self.step_timeout_s > 0, "server.step_timeout_s", "must be > 0 or null")
         _require(self.offload_prompt_chars >= 0, "server.offload_prompt_chars", "must be >= 0")
+        _require(self.grpc_max_pending_calls >= 1, "server.grpc_max_pending_calls", "must be >= 1")
 
 
 @dataclass(frozen=True)

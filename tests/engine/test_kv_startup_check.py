@@ -44,7 +44,9 @@ def test_pool_of_exactly_one_max_length_request_starts_and_serves_it(tiny_llama_
         max_model_len=max_model_len,
     )  # fmt: skip
     prompt = list(range(10, 26))  # 16 tokens: max_tokens left unset takes the one token left
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None), use_tqdm=False)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None), use_tqdm=False)[
+        0
+    ]
     assert len(out.outputs[0].token_ids) == 1
     # The start-up check and admission are one rule: one block fewer is refused by both.
     assert fit_lengths(16, None, max_model_len, BLOCK, need) == 1

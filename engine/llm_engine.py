@@ -128,7 +128,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | tuple[str, ...] | None = None,
     ) -> PreparedRequest:
         """Validates and tokenizes; raises InvalidRequestError naming the field. Thread-safe."""
         text, ids = self.tokenize_prompt(prompt)

@@ -252,8 +252,10 @@ class AsyncEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | tuple[str, ...] | None = None,
     ) -> RequestStream:
         """Validates, queues and returns the request's stream once the engine holds it.
+        Only requests with equal `cache_salt`s share cached prompt blocks.
 
         Raises InvalidRequestError (never servable), QueueFullError (try later) or
         EngineDeadError before anything is streamed, so a frontend can still pick a status.
@@ -263,7 +265,7 @@ class AsyncEngine:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         prepared = await self.offload_if_large(
             len(prompt), self.engine.prepare_request, request_id, prompt, params,
-            priority=priority, arrival_time=arrival,
+            priority=priority, arrival_time=arrival, cache_salt=cache_salt,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         stream = RequestStream(

@@ -27,7 +27,7 @@ from engine.output.processor import OutputProcessor
 from engine.output.request_output import RequestDelta
 from engine.output.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
-from engine.worker.kv_sizing import KVGeometry, num_blocks_for_cpu, size_gpu_kv_cache
+from engine.worker.kv_sizing import KVGeometry, size_cpu_kv_cache, size_gpu_kv_cache
 from engine.worker.models.loader import load_model
 from engine.worker.runner import ModelRunner
 
@@ -117,7 +117,7 @@ class LLMEngine:
     # ---- set-up ---------------------------------------------------------------------------
     def _size_kv_cache(self, geom: KVGeometry) -> int:
         if self.device.type != "cuda":
-            return num_blocks_for_cpu(self.config.cache, geom)
+            return size_cpu_kv_cache(self.config.cache, geom, self.max_model_len)
         return size_gpu_kv_cache(
             self.runner, self.config.cache, self.config.scheduler, geom, self.max_model_len
         )
@@ -131,7 +131,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | tuple[str, ...] | None = None,
     ) -> PreparedRequest:
         """Validates and tokenizes; raises InvalidRequestError naming the field. Thread-safe."""
         text, ids = self.tokenize_prompt(prompt)

@@ -94,6 +94,12 @@ class ServerConfig:
     # stall every other stream on the event loop. One threshold for HTTP, gRPC and the
     # engine's admission.
     offload_prompt_chars: int = 8192
+    # gRPC calls held before a handler takes them; past it gRPC core cancels new calls
+    # (CANCELLED) instead of the queue refusing them (RESOURCE_EXHAUSTED).
+    grpc_max_pending_calls: int = 16384
+    # Salt every request's prefix-cache entries by its API key (a hash of it), so tenants
+    # never share cached blocks (nor learn each other's prompts from cached_tokens).
+    cache_salt_by_api_key: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "server.host", "must not be empty")
@@ -114,6 +120,12 @@ class ServerConfig:
         if self.step_timeout_s is not None:
             _require(self.step_timeout_s > 0, "server.step_timeout_s", "must be > 0 or null")
         _require(self.offload_prompt_chars >= 0, "server.offload_prompt_chars", "must be >= 0")
+        _require(self.grpc_max_pending_calls >= 1, "server.grpc_max_pending_calls", "must be >= 1")
+        _require(
+            not self.cache_salt_by_api_key or bool(self.api_keys),
+            "server.cache_salt_by_api_key",
+            "needs server.api_keys (there is no key to salt by)",
+        )
 
 
 @dataclass(frozen=True)

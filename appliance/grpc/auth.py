@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from appliance.grpc.guard import same_shape
+from appliance.tenancy import request_cache_salt
 
 EXEMPT_METHODS = frozenset(
     {
@@ -33,6 +34,14 @@ def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> bytes | None:
         if scheme.lower() == "bearer" and token.strip():
             return token.strip().encode()
     return None
+
+
+def cache_salt_of(
+    metadata: Iterable[tuple[str, Any]] | None, user_salt: str | None, by_api_key: bool
+) -> tuple[str, ...]:
+    """The call's prefix-cache salt (appliance.tenancy): the client's `cache_salt`, and its
+    API key's hash with server.cache_salt_by_api_key (the key ApiKeyInterceptor checked)."""
+    return request_cache_salt(user_salt, bearer_token(metadata), by_api_key)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -20,7 +20,8 @@ from typing import Any
 import grpc
 
 from appliance.grpc import errors
-from appliance.grpc.errors import RpcError
+from appliance.grpc.auth import cache_salt_of
+from appliance.grpc.errors import RpcError, invalid
 from appliance.grpc.guard import INTERNAL_MESSAGE
 from appliance.grpc.kserve_tensors import INPUTS, OUTPUTS, LLMRequest, infer_response, parse_request
 from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
@@ -48,6 +49,18 @@ def _wants_final_flag(req: kpb.ModelInferRequest) -> bool:
     return p is not None and p.bool_param
 
 
+def _cache_salt(req: kpb.ModelInferRequest, metadata: Any, by_api_key: bool) -> tuple[str, ...]:
+    """The request parameter `cache_salt` (a non-empty string), and the caller's API key
+    with server.cache_salt_by_api_key: see appliance.tenancy."""
+    p = req.parameters.get("cache_salt")
+    user = None
+    if p is not None:
+        if p.WhichOneof("parameter_choice") != "string_param" or not p.string_param:
+            raise invalid("parameters.cache_salt", "must be a non-empty string")
+        user = p.string_param
+    return cache_salt_of(metadata, user, by_api_key)
+
+
 class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
     """Serves the engine's one model as a KServe v2 model named `model_name`, version "1"."""
 
@@ -57,11 +70,13 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         model_name: str,
         tracing: Tracing | None = None,
         server_version: str = "0.1.0",
+        cache_salt_by_api_key: bool = False,
     ):
         self._engine = async_engine
         self._model = model_name
         self._tracing = tracing
         self._version = server_version
+        self._salt_by_key = cache_salt_by_api_key
 
     def _known(self, name: str, version: str) -> bool:
         return name == self._model and version in _VERSIONS
@@ -182,7 +197,10 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         stream: RequestStream | None = None
         error: str | None = None
         try:
-            stream = await self._engine.add_request(parsed.text, parsed.params, rid)
+            salt = _cache_salt(req, carrier, self._salt_by_key)
+            stream = await self._engine.add_request(
+                parsed.text, parsed.params, rid, cache_salt=salt
+            )
             if parsed.stream:
                 async for delta in stream:
                     if not delta.outputs:

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from appliance.grpc import errors
+from appliance.grpc.auth import cache_salt_of
 from appliance.grpc.errors import RpcError, invalid
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
@@ -87,10 +88,17 @@ class _Call:
 class ApplianceServicer(pb_grpc.ApplianceServicer):
     """Serves one model from an AsyncEngine. See appliance.proto for the contract."""
 
-    def __init__(self, async_engine: Any, model_name: str, tracing: Tracing | None = None):
+    def __init__(
+        self,
+        async_engine: Any,
+        model_name: str,
+        tracing: Tracing | None = None,
+        cache_salt_by_api_key: bool = False,
+    ):
         self._engine = async_engine
         self._model = model_name
         self._tracing = tracing
+        self._salt_by_key = cache_salt_by_api_key
         # In-flight Generate calls of this server, for Abort.
         self._active: dict[str, _Call] = {}
 
@@ -127,6 +135,12 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             return await self._render_chat(request.chat), "chat", "chat.messages"
         raise invalid("prompt", "one of text, token_ids or chat is required")
 
+    def _cache_salt(self, request: pb.GenerateRequest, context: Any) -> tuple[str, ...]:
+        user = request.cache_salt if request.HasField("cache_salt") else None
+        if user == "":
+            raise invalid("cache_salt", "must not be empty when set")
+        return cache_salt_of(context.invocation_metadata(), user, self._salt_by_key)
+
     # ---- rpcs -------------------------------------------------------------------------------
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -148,11 +162,14 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             self._check_model(request.model)
             prompt, operation, prompt_field = await self._prompt(request)
             params = sampling_from_proto(request.sampling)
+            salt = self._cache_salt(request, context)
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
             if rid in self._active:
                 raise invalid("request_id", f"{rid!r} is already in flight")
             call = self._active[rid] = _Call()
-            stream = await self._engine.add_request(prompt, params, rid, priority=request.priority)
+            stream = await self._engine.add_request(
+                prompt, params, rid, priority=request.priority, cache_salt=salt
+            )
             call.stream = stream
             if call.abort_asked:
                 stream.abort()

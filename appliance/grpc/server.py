@@ -49,6 +49,13 @@ class GrpcSettings:
     # with RESOURCE_EXHAUSTED before a handler runs.
     max_receive_bytes: int = 8 * 1024 * 1024
     max_message_bytes: int = 16 * 1024 * 1024  # largest response message
+    # Calls gRPC core may hold before a handler takes them (the YAML's
+    # server.grpc_max_pending_calls). Core sheds a backlog past its own default (1,000, some
+    # at random, all past 3,000) as CANCELLED, which clients do not retry; under this bound
+    # every call reaches admission, and overload is answered RESOURCE_EXHAUSTED.
+    max_pending_calls: int = 16384
+    # Salt every call's prefix-cache entries by its API key (appliance.tenancy).
+    cache_salt_by_api_key: bool = False
     # How often health re-reads the engine's state.
     health_poll_s: float = 1.0
     server_version: str = "0.1.0"
@@ -61,6 +68,8 @@ class GrpcSettings:
             port=server.grpc_port,
             api_keys=tuple(server.api_keys),
             max_receive_bytes=server.max_request_body,
+            max_pending_calls=server.grpc_max_pending_calls,
+            cache_salt_by_api_key=server.cache_salt_by_api_key,
             **overrides,
         )
 
@@ -116,13 +125,18 @@ async def start_grpc_server(
         ("grpc.max_receive_message_length", settings.max_receive_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.server.max_pending_requests", settings.max_pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", settings.max_pending_calls),
     ]
     server = grpc.aio.server(interceptors=_interceptors(settings, tracing), options=options)
     appliance_pb2_grpc.add_ApplianceServicer_to_server(
-        ApplianceServicer(async_engine, model, tracing), server
+        ApplianceServicer(async_engine, model, tracing, settings.cache_salt_by_api_key), server
     )
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(async_engine, model, tracing, settings.server_version), server
+        KServeServicer(
+            async_engine, model, tracing, settings.server_version, settings.cache_salt_by_api_key
+        ),
+        server,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from appliance.http import convert
 from appliance.http.errors import bad_request, from_engine_error
+from appliance.http.middleware import cache_salt_of
 from appliance.http.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -141,6 +142,7 @@ async def create_chat_completion(request: Request) -> Response:
         arrival_time=arrival,
         map_param=lambda p: convert.engine_param(p, req),
         trace=(request, "chat"),
+        cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
     )
     events = _stream(state, req, rid, streams) if req.stream else None
     return await respond(request, rid, streams, events, lambda f: _response(state, req, rid, f[0]))

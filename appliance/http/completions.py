@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from appliance.http import convert, echo
 from appliance.http.errors import bad_request, from_engine_error
+from appliance.http.middleware import cache_salt_of
 from appliance.http.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -63,6 +64,7 @@ async def create_completion(request: Request) -> Response:
         priority=req.priority,
         arrival_time=arrival,
         trace=(request, "text_completion"),
+        cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
     )
     events = _stream(state, req, rid, prompts, streams) if req.stream else None
     return await respond(request, rid, streams, events, lambda f: _response(state, req, rid, f))

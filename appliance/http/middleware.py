@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.http.errors import APIError
 from appliance.metrics import ApplianceMetrics
+from appliance.tenancy import request_cache_salt
 
 logger = logging.getLogger("appliance.http.access")
 
@@ -36,6 +37,12 @@ def _bearer(scope: Scope) -> str | None:
             scheme, _, token = value.decode("latin-1").partition(" ")
             return token.strip() if scheme.lower() == "bearer" else None
     return None
+
+
+def cache_salt_of(scope: Scope, user_salt: str | None, by_api_key: bool) -> tuple[str, ...]:
+    """The request's prefix-cache salt (appliance.tenancy): the client's `cache_salt`, and
+    its API key's hash with server.cache_salt_by_api_key (the key AuthMiddleware checked)."""
+    return request_cache_salt(user_salt, _bearer(scope), by_api_key)
 
 
 class AuthMiddleware:

@@ -59,6 +59,13 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, description="Lower runs first with scheduler.policy=priority.")
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        description="Prefix-cache isolation: only requests with the same salt share cached "
+        "prompt blocks (and cached_tokens). With server.cache_salt_by_api_key the server adds "
+        "the caller's API key.",
+    )
 
 
 # ---- completions -------------------------------------------------------------------------

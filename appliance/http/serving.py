@@ -112,6 +112,7 @@ async def submit(
     arrival_time: float,
     map_param: Callable[[str | None], str | None] = lambda p: p,
     trace: tuple[Request, str] | None = None,
+    cache_salt: tuple[str, ...] = (),
 ) -> list[RequestStream]:
     """Adds one engine request per prompt; on any failure aborts those already added.
 
@@ -129,8 +130,13 @@ async def submit(
                 state.tracer.register(rid, dict(trace[0].headers), params, trace[1])
             streams.append(
                 await state.aeng.add_request(
-                    prompt, params, rid, priority=priority, arrival_time=arrival_time
-                )
+                    prompt,
+                    params,
+                    rid,
+                    priority=priority,
+                    arrival_time=arrival_time,
+                    cache_salt=cache_salt,
+                )  # fmt: skip
             )
     except BaseException as e:
         abort_all(streams)

@@ -69,6 +69,13 @@ def kv_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def max_request_blocks(max_model_len: int, block_size: int) -> int:
+    """Blocks the longest request `fit_lengths` admits holds: a prompt of max_model_len - 1
+    tokens and one sampled token. A pool smaller than this refuses every request that asks
+    for the whole context (a chat request without max_tokens), so start-up refuses it."""
+    return kv_blocks_for(stored_tokens(max_model_len - 1, 1), block_size)
+
+
 def check_new_id(request_id: str, held: Container[str]) -> None:
     """Raises unless `request_id` is free (clients may choose ids, e.g. over gRPC)."""
     if request_id in held:

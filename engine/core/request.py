@@ -65,7 +65,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
         priority: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: str | tuple[str, ...] | None = None,
         fork_from: str | None = None,
         max_tokens: int | None = None,
     ):
@@ -78,7 +78,11 @@ class Request:
         # request with stop_reason None unless `ignore_eos`.
         self.eos_token_ids = eos_token_ids
         self.priority = priority
-        self.cache_salt = cache_salt
+        # Extra keys of its blocks' hashes: requests with different salts never share cached
+        # blocks. A tuple when the server salts by API key too: (the key's, the user's).
+        self.cache_salt: tuple[str, ...] = (
+            (cache_salt,) if isinstance(cache_salt, str) else tuple(cache_salt or ())
+        )
         self.fork_from = fork_from
         # Effective output cap: sampling_params.max_tokens clipped to the context left.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens

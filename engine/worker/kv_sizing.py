@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import CacheConfig, ConfigError, SchedulerConfig
-from engine.core.admission import kv_blocks_for, stored_tokens
+from engine.core.admission import max_request_blocks
 from engine.core.step_io import NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
 
@@ -38,6 +38,34 @@ class KVGeometry:
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def check_room_for_one_request(
+    num_blocks: int, block_size: int, max_model_len: int, key: str, sized_by: str
+) -> None:
+    """Refuses start-up, naming `key` (the setting that sized the pool), when one request of
+    model.max_model_len tokens would not fit: the KV-fit rule admission applies
+    (`max_request_blocks`), for every sizing path (explicit count, CPU GiB, GPU fraction)."""
+    need = max_request_blocks(max_model_len, block_size)
+    if num_blocks < need:
+        raise ConfigError(
+            key,
+            f"{sized_by} gives {num_blocks} KV blocks of {block_size} tokens, but one "
+            f"model.max_model_len={max_model_len} request needs {need}; raise {key} or lower "
+            "model.max_model_len",
+        )
+
+
+def size_cpu_kv_cache(cache: CacheConfig, geom: KVGeometry, max_model_len: int) -> int:
+    """Blocks for the CPU pool (`num_blocks_for_cpu`); fails at start, naming the key, when
+    not even one max_model_len request would fit."""
+    num_blocks = num_blocks_for_cpu(cache, geom)
+    if cache.num_kv_blocks is not None:
+        key, sized_by = "cache.num_kv_blocks", f"cache.num_kv_blocks={cache.num_kv_blocks}"
+    else:
+        key, sized_by = "cache.cpu_kv_cache_gib", f"cache.cpu_kv_cache_gib={cache.cpu_kv_cache_gib}"
+    check_room_for_one_request(num_blocks, geom.block_size, max_model_len, key, sized_by)
+    return num_blocks
 
 
 def num_blocks_for_cpu(cache: CacheConfig, geom: KVGeometry) -> int:
@@ -74,22 +102,22 @@ def size_gpu_kv_cache(
 
     Fails at start (naming the key) when not even one max_model_len request would fit."""
     if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
+        n = cache.num_kv_blocks
+        check_room_for_one_request(
+            n, geom.block_size, max_model_len, "cache.num_kv_blocks", f"cache.num_kv_blocks={n}"
+        )
+        return n
     device = runner.device
     torch.cuda.empty_cache()
     peak = profile_activation_peak(runner, sched, geom.block_size, max_model_len)
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the CUDA context, and anything outside PyTorch
     num_blocks = num_blocks_for_gpu(cache, geom, total, used, peak + GRAPH_RESERVE_BYTES)
-    need = kv_blocks_for(stored_tokens(max_model_len - 1, 1), geom.block_size)
-    if num_blocks < need:
-        raise ConfigError(
-            "cache.memory_fraction",
-            f"{cache.memory_fraction} of {total / _GIB:.1f} GiB leaves room for {num_blocks} KV "
-            f"blocks after weights and activations ({used / _GIB:.2f} + {peak / _GIB:.2f} GiB), "
-            f"but one max_model_len={max_model_len} request needs {need}; raise the fraction "
-            "or lower model.max_model_len",
-        )
+    check_room_for_one_request(
+        num_blocks, geom.block_size, max_model_len, "cache.memory_fraction",
+        f"cache.memory_fraction={cache.memory_fraction} of {total / _GIB:.1f} GiB, after "
+        f"weights and activations ({used / _GIB:.2f} + {peak / _GIB:.2f} GiB),",
+    )  # fmt: skip
     logger.info(
         "kv sizing total_gib=%.1f used_gib=%.2f activation_peak_gib=%.2f blocks=%d",
         total / _GIB, used / _GIB, peak / _GIB, num_blocks,

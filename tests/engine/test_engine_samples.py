@@ -15,7 +15,7 @@ SEEDED = SamplingParams(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True
 def small_pool(tiny_llama_dir) -> LLM:
     # 6 blocks of 4: two 8-token prompts decoding 12 tokens each cannot both stay resident.
     return LLM(
-        str(tiny_llama_dir), num_kv_blocks=6, block_size=4, dtype="float32", max_model_len=64,
+        str(tiny_llama_dir), num_kv_blocks=6, block_size=4, dtype="float32", max_model_len=24,
         enable_prefix_caching=False,
     )  # fmt: skip
 
@@ -46,7 +46,9 @@ def test_id_reused_after_aborting_a_preempted_seeded_request_samples_afresh(smal
 def test_n2_prompt_logprobs_have_one_entry_per_prompt_token(tiny_llama_dir):
     """max_tokens=1: the first sample finishes before the second can fork from it, so the
     second prefills the prompt itself; its prompt logprobs must not be added again."""
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4, dtype="float32")
+    llm = LLM(
+        str(tiny_llama_dir), num_kv_blocks=64, block_size=4, dtype="float32", max_model_len=256
+    )
     prompt = list(range(40, 50))
     one = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     params = SamplingParams(n=2, max_tokens=1, prompt_logprobs=1, temperature=1.0, seed=3)

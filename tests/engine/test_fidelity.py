@@ -97,7 +97,7 @@ def test_preemption_keeps_output_exact(tiny_llama_dir, hf_greedy):
     prompts = _prompts(12, seed=7, lo=10, hi=30)
     ref = hf_greedy(tiny_llama_dir, prompts, 20, ignore_eos=True)
     # 24 blocks of 4 slots: far less than 12 requests of up to 50 tokens need at once.
-    llm = _llm(tiny_llama_dir, num_kv_blocks=24, enable_prefix_caching=False)
+    llm = _llm(tiny_llama_dir, num_kv_blocks=24, enable_prefix_caching=False, max_model_len=64)
     assert _engine_ids(llm, prompts, _greedy(20)) == ref
     assert llm.engine.stats().num_preemptions > 0
     assert llm.engine.stats().num_free_blocks == 24

@@ -98,7 +98,7 @@ def test_a_preempted_scoring_request_keeps_one_entry_per_prompt_token(tiny_llama
     """12 blocks of 4 hold two 14-token prompts but not their 20 outputs each: the newer
     request, the scoring one, is preempted and computes its prompt again on resuming."""
     llm = LLM(
-        str(tiny_llama_dir), num_kv_blocks=12, block_size=4, dtype="float32", max_model_len=64
+        str(tiny_llama_dir), num_kv_blocks=12, block_size=4, dtype="float32", max_model_len=48
     )
     other = list(range(40, 54))
     outs = llm.generate(

@@ -50,6 +50,24 @@ def test_bad_config_exits_2_naming_the_key(capsys):
     assert "cache.block_size: must be a power of two" in capsys.readouterr().err
 
 
+def test_serve_refuses_to_start_when_one_max_length_request_cannot_fit_the_kv_cache(
+    tiny_llama_dir,
+):
+    # 8 blocks of 16 tokens; one 512-token request needs ceil(511 / 16) = 32.
+    sets = [f"model.path={tiny_llama_dir}", "model.max_model_len=512", "cache.num_kv_blocks=8",
+            "runtime.device=cpu", "runtime.num_threads=1", "server.http_port=0",
+            "server.grpc_port=null"]  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "appliance", "serve", *(a for s in sets for a in ("--set", s))],
+        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=HANG_S,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert (
+        "appliance: config error: cache.num_kv_blocks: cache.num_kv_blocks=8 gives 8 KV blocks "
+        "of 16 tokens, but one model.max_model_len=512 request needs 32"
+    ) in r.stderr
+
+
 def test_python_dash_m_appliance_runs():
     r = subprocess.run(
         [sys.executable, "-m", "appliance", "config", "show"],

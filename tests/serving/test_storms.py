@@ -89,7 +89,8 @@ def test_preemption_storm_completes_everything_with_unconstrained_greedy_output(
     del roomy
     pool = demand // 10  # about a tenth of the demand; one request alone still fits
     assert pool >= max(-(-(len(p) + STORM_MAX_TOKENS) // BLOCK_SIZE) for p in prompts)
-    tight = tiny_engine(tiny_llama_dir, num_kv_blocks=pool, block_size=BLOCK_SIZE,
+    # Context 64: the longest prompt (24) plus STORM_MAX_TOKENS, so the pool holds one.
+    tight = tiny_engine(tiny_llama_dir, num_kv_blocks=pool, block_size=BLOCK_SIZE, max_model_len=64,
                         max_num_seqs=NUM_STORM_REQUESTS, max_num_batched_tokens=64)  # fmt: skip
     aeng = AsyncEngine(tight)
     gate = StepGate(tight)  # held until every request is queued: the same storm on any box

@@ -94,7 +94,9 @@ class FakeLLMEngine:
         self.waiting: list[_Req] = []
         self._stats = FakeStats()
 
-    def prepare_request(self, request_id, prompt, params, *, priority=0, arrival_time=None):
+    def prepare_request(
+        self, request_id, prompt, params, *, priority=0, arrival_time=None, cache_salt=None
+    ):  # cache_salt: the fake has no prefix cache
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("prompt must not be empty", "prompt")

@@ -102,6 +102,7 @@ def start_stack(
     if server.api_keys:
         grpc_settings.setdefault("api_keys", server.api_keys)
     grpc_settings.setdefault("max_receive_bytes", server.max_request_body)
+    grpc_settings.setdefault("cache_salt_by_api_key", server.cache_salt_by_api_key)
     harness = start_harness(llm_engine, **grpc_settings)
     harness.engine.max_consecutive_failures = max_consecutive_failures
     http = BackgroundServer(build_app(harness.engine, server), server).start()

@@ -79,7 +79,7 @@ def test_rope_inplace_matches_apply_rope_on_q_and_k_of_qkv(rows):
 def test_fused_forward_refuses_positions_past_the_rotary_table(tiny_checkpoint):
     from engine import LLM
 
-    llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=16, block_size=4)
+    llm = LLM(str(tiny_checkpoint("llama")), num_kv_blocks=16, block_size=4, max_model_len=64)
     model = llm.engine.runner.model
     assert model._cpu_fused
     from engine.worker.models import cpu_fused

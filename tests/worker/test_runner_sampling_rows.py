@@ -23,7 +23,9 @@ class RecordingSampler(Sampler):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir) -> LLM:
-    return LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4, dtype="float32")
+    return LLM(
+        str(tiny_llama_dir), num_kv_blocks=64, block_size=4, dtype="float32", max_model_len=256
+    )
 
 
 def test_plain_requests_pass_no_token_lists_and_penalties_pass_the_state_list(llm):

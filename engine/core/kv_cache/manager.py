@@ -328,8 +328,7 @@ class KVCacheManager:
         have = len(hashes)
         if have < n:
             if st.extra_keys is None:
-                salt = st.request.cache_salt
-                st.extra_keys = encode_extra_keys(() if salt is None else (salt,))
+                st.extra_keys = encode_extra_keys(st.request.cache_salt)
             bs = self.block_size
             tokens = st.request.all_token_ids[have * bs : n * bs]
             parent = hashes[-1] if hashes else None

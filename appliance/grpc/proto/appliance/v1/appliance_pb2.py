@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1appliance/grpc/proto/appliance/v1/appliance.proto\x12\x0c\x61ppliance.v1\"\xbc\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x17\n\nmax_tokens\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x11 \x03(\x0b\x32+.appliance.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\r\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0b\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"q\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.appliance.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xe1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.appliance.v1.TokenIdsH\x00\x12\"\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x12.appliance.v1.ChatH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.appliance.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.appliance.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xfe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.appliance.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\"\n\x05usage\x18\t \x01(\x0b\x32\x13.appliance.v1.UsageB\r\n\x0bstop_reason\"\x95\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\"\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x12.appliance.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"<\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.appliance.v1.Model\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse2\x87\x03\n\tAppliance\x12K\n\x08Generate\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.appliance.v1.TokenizeRequest\x1a\x1e.appliance.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.appliance.v1.DetokenizeRequest\x1a .appliance.v1.DetokenizeResponse\x12O\n\nListModels\x12\x1f.appliance.v1.ListModelsRequest\x1a .appliance.v1.ListModelsResponse\x12@\n\x05\x41\x62ort\x12\x1a.appliance.v1.AbortRequest\x1a\x1b.appliance.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1appliance/grpc/proto/appliance/v1/appliance.proto\x12\x0c\x61ppliance.v1\"\xbc\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x17\n\nmax_tokens\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x11 \x03(\x0b\x32+.appliance.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\r\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0b\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"q\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.appliance.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x89\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.appliance.v1.TokenIdsH\x00\x12\"\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x12.appliance.v1.ChatH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.appliance.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x17\n\ncache_salt\x18\x08 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_salt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.appliance.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xfe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.appliance.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\"\n\x05usage\x18\t \x01(\x0b\x32\x13.appliance.v1.UsageB\r\n\x0bstop_reason\"\x95\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\"\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x12.appliance.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"<\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.appliance.v1.Model\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse2\x87\x03\n\tAppliance\x12K\n\x08Generate\x12\x1d.appliance.v1.GenerateRequest\x1a\x1e.appliance.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.appliance.v1.TokenizeRequest\x1a\x1e.appliance.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.appliance.v1.DetokenizeRequest\x1a .appliance.v1.DetokenizeResponse\x12O\n\nListModels\x12\x1f.appliance.v1.ListModelsRequest\x1a .appliance.v1.ListModelsResponse\x12@\n\x05\x41\x62ort\x12\x1a.appliance.v1.AbortRequest\x1a\x1b.appliance.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT']._serialized_start=969
   _globals['_CHAT']._serialized_end=1082
   _globals['_GENERATEREQUEST']._serialized_start=1085
-  _globals['_GENERATEREQUEST']._serialized_end=1310
-  _globals['_TOPLOGPROB']._serialized_start=1312
-  _globals['_TOPLOGPROB']._serialized_end=1359
-  _globals['_TOKENLOGPROB']._serialized_start=1361
-  _globals['_TOKENLOGPROB']._serialized_end=1463
-  _globals['_USAGE']._serialized_start=1465
-  _globals['_USAGE']._serialized_end=1545
-  _globals['_GENERATERESPONSE']._serialized_start=1548
-  _globals['_GENERATERESPONSE']._serialized_end=1802
-  _globals['_TOKENIZEREQUEST']._serialized_start=1805
-  _globals['_TOKENIZEREQUEST']._serialized_end=1954
-  _globals['_TOKENIZERESPONSE']._serialized_start=1956
-  _globals['_TOKENIZERESPONSE']._serialized_end=2031
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2033
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2086
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2088
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2122
-  _globals['_LISTMODELSREQUEST']._serialized_start=2124
-  _globals['_LISTMODELSREQUEST']._serialized_end=2143
-  _globals['_MODEL']._serialized_start=2145
-  _globals['_MODEL']._serialized_end=2205
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2207
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2264
-  _globals['_ABORTREQUEST']._serialized_start=2266
-  _globals['_ABORTREQUEST']._serialized_end=2300
-  _globals['_ABORTRESPONSE']._serialized_start=2302
-  _globals['_ABORTRESPONSE']._serialized_end=2317
-  _globals['_APPLIANCE']._serialized_start=2320
-  _globals['_APPLIANCE']._serialized_end=2711
+  _globals['_GENERATEREQUEST']._serialized_end=1350
+  _globals['_TOPLOGPROB']._serialized_start=1352
+  _globals['_TOPLOGPROB']._serialized_end=1399
+  _globals['_TOKENLOGPROB']._serialized_start=1401
+  _globals['_TOKENLOGPROB']._serialized_end=1503
+  _globals['_USAGE']._serialized_start=1505
+  _globals['_USAGE']._serialized_end=1585
+  _globals['_GENERATERESPONSE']._serialized_start=1588
+  _globals['_GENERATERESPONSE']._serialized_end=1842
+  _globals['_TOKENIZEREQUEST']._serialized_start=1845
+  _globals['_TOKENIZEREQUEST']._serialized_end=1994
+  _globals['_TOKENIZERESPONSE']._serialized_start=1996
+  _globals['_TOKENIZERESPONSE']._serialized_end=2071
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2073
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2126
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2128
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2162
+  _globals['_LISTMODELSREQUEST']._serialized_start=2164
+  _globals['_LISTMODELSREQUEST']._serialized_end=2183
+  _globals['_MODEL']._serialized_start=2185
+  _globals['_MODEL']._serialized_end=2245
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2247
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2304
+  _globals['_ABORTREQUEST']._serialized_start=2306
+  _globals['_ABORTREQUEST']._serialized_end=2340
+  _globals['_ABORTRESPONSE']._serialized_start=2342
+  _globals['_ABORTRESPONSE']._serialized_end=2357
+  _globals['_APPLIANCE']._serialized_start=2360
+  _globals['_APPLIANCE']._serialized_end=2751
 # @@protoc_insertion_point(module_scope)

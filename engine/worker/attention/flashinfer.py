@@ -166,7 +166,7 @@ class FlashInferBackend(AttentionBackend):
         self,
         device: torch.device,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
-        prefill_backend: str = "auto",
+        prefill_backend: str = "fa2",
         decode_tensor_cores: bool | None = None,
         flashinfer_module: Any = None,
     ):

@@ -1,176 +1,157 @@
 #!/usr/bin/env bash
-# The GPU check for issue 6, on the lent H200 (see docs/gpu.md for the whole procedure).
+# The GPU check of issue 14, in ONE device command (docs/gpu.md has the procedure).
 #
-#   here, on the CPU box:   scripts/gpu_check.sh prepare
-#       downloads the two wheels FlashInfer needs there and splits them into .whl/a and
-#       .whl/b (ignored by git), each small enough to travel with the repo (64 MiB a call)
-#   device call 1:  run(command="bash scripts/gpu_check.sh stage", carry=[".whl/a"], timeout_s=120)
-#       keeps part a in /tmp and starts writing the random Llama-3-8B checkpoint (setsid)
-#   device call 2, within 30 s:  run(command="bash scripts/gpu_check.sh all",
-#                                    carry=[".whl/b"], timeout_s=600)
-#       joins and installs the wheels, builds FlashInfer's kernels, runs tests/worker/test_gpu.py,
-#       then bench/gpu_decode.py until its deadline; JSON and logs under $OUT
-#   optional call 3, within 30 s:  run(command="bash scripts/gpu_check.sh bench", timeout_s=420)
-#       resumes the benchmark where call 2's deadline stopped it
+#   here:    scripts/gpu_check.sh prepare
+#       downloads flashinfer-python 0.7.2.post1 and apache-tvm-ffi 0.1.15.post2 and leaves in
+#       .gpu/ (git-ignored) FlashInfer trimmed to its Python package and the sources/headers
+#       its FA2 decode/prefill JIT needs (tar.xz, ~9 MB), the tvm-ffi wheel (3.3 MB), SHA256SUMS
+#   device:  run(command="bash scripts/gpu_check.sh", carry=[".gpu"], timeout_s=420)
+#   CPU:     scripts/gpu_check.sh --dry-run     (every phase, tiny shapes, torch backend)
 #
-# What travels: flashinfer-python 0.7.2.post1 (py3-none-any, 62 MB) and apache-tvm-ffi
-# 0.1.15.post2 (cp312 manylinux_2_28, 3.3 MB). Everything else FlashInfer imports (torch,
-# numpy, einops, nvidia-ml-py, tabulate, click, requests, tqdm, ninja) is in the machine's
-# image; its optional extras (cutlass-dsl, cudnn-frontend, cuda-tile, nccl4py) are not needed
-# for the paged decode/prefill kernels, which FlashInfer JIT-compiles with the image's nvcc.
+# Options: --only a,b,...  run only these phases (a rerun repeats what failed)
+#          --dry-run       CPU, tiny shapes, torch backend; no .gpu needed
+# Phases, in order, each under its own `timeout` and never past GPU_CHECK_BUDGET seconds:
+#   setup    install .gpu into /tmp/gpu_site, record versions
+#   jit      build the FlashInfer modules the backend needs (MAX_JOBS=16, seconds per module)
+#   backend  tests/worker/test_gpu.py: FlashInfer vs the torch backend (no-window kernels)
+#   graphs   tests/worker/test_gpu.py: graph replay vs eager
+#   fidelity tests/worker/test_gpu.py: LLM greedy vs transformers bf16, engine picks FlashInfer
+#   served   appliance serve on the device: health, streamed chat, gRPC stream
+#   kv       KV sizing at 0.9 with 256 sequences, an OOM-free top-p step (Llama-3-8B shape)
+#   decode   decode tok/s at batch 1/8/64/256, context 512, eager vs graphs (Llama-3-8B shape)
+# Output: $OUT/gpu_check.log (everything, as it happens) and $OUT/gpu_check.json (per phase:
+# status, exit code, seconds, results). Exit status 1 if any phase failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 WHEELS=("flashinfer-python==0.7.2.post1" "apache-tvm-ffi==0.1.15.post2")
-STATE=/tmp/gpu_state          # survives between calls while the machine stays warm
-SITE=/tmp/gpu_site            # pip --target for the carried wheels
-CKPT=/tmp/llama3-8b-random
-OUT=${OUT:-/tmp/gpu_out}
+CARRY=.gpu
+SITE=/tmp/gpu_site
 PY=${PY:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-570}  # seconds this call may use (the tool's limit is 600)
-mkdir -p "$OUT" "$STATE"
+ALL_PHASES=(setup jit backend graphs fidelity served kv decode)
+declare -A LIMIT=([setup]=60 [jit]=200 [backend]=90 [graphs]=90 [fidelity]=90 [served]=120
+                  [kv]=120 [decode]=120)
+# pytest phases: a -k selection of tests/worker/test_gpu.py (the dry run checks it selects some)
+declare -A TESTS=([backend]="(flashinfer_matches and not 24) or start_up_probe" [graphs]="graph_replays"
+                  [fidelity]="transformers or picks_flashinfer")
 
-log() { echo "[gpu_check +${SECONDS}s] $*" | tee -a "$OUT/summary.txt"; }
-
-prepare() {  # on the CPU box: fetch the exact wheels and split them for two calls
-    local py=.venv/bin/python
+prepare() {  # on the CPU box: the trimmed FlashInfer and the tvm-ffi wheel, in .gpu/
+    local py=.venv/bin/python dl tree
     [ -x "$py" ] || py=python3
-    rm -rf .whl && mkdir -p .whl/full .whl/a .whl/b || exit 1
+    dl=$(mktemp -d) && tree=$(mktemp -d) || exit 1
+    trap 'rm -rf "$dl" "$tree"' RETURN
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d .whl/full "${WHEELS[@]}" || exit 1
-    (cd .whl/full && sha256sum ./*.whl >../SHA256SUMS)
-    local fi_whl
-    fi_whl=$(ls .whl/full/flashinfer_python-*.whl)
-    split -b 32M -d -a 2 "$fi_whl" ".whl/a/$(basename "$fi_whl").part"
-    ls .whl/a/*.part0[2-9] >/dev/null 2>&1 && { echo "wheel needs a third part: raise -b"; exit 1; }
-    mv .whl/a/*.part01 .whl/b/
-    cp .whl/full/apache_tvm_ffi-*.whl .whl/b/
-    cp .whl/SHA256SUMS .whl/a/ && cp .whl/SHA256SUMS .whl/b/
-    rm -rf .whl/full
-    du -sh .whl/a .whl/b
-    echo "repo files that travel: $(git ls-files -co --exclude-standard -z | du -ch --files0-from=- | tail -1)"
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dl" \
+        "${WHEELS[@]}" || return 1
+    rm -rf "$CARRY" && mkdir -p "$CARRY" || return 1
+    (cd "$tree" && unzip -q "$dl"/flashinfer_python-*.whl) || return 1
+    # Keep the Python package and include/ (FA2 decode/prefill need only flashinfer's own
+    # headers and tvm-ffi's); of csrc/ only the batch decode/prefill sources, not sm90/MLA/fp8.
+    local data=$tree/flashinfer/data
+    rm -rf "$data/cutlass" "$data/cccl"
+    find "$data/csrc" -mindepth 1 -maxdepth 1 \
+        ! \( -name 'batch_decode*' -o -name 'batch_prefill*' -o -name '*.h' \) -exec rm -rf {} +
+    find "$data/csrc" \( -name '*sm90*' -o -name '*mla*' -o -name '*fp8*' \) -delete
+    find "$tree" -name __pycache__ -prune -exec rm -rf {} +
+    tar -C "$tree" -cf - flashinfer flashinfer_python-0.7.2.post1.dist-info |
+        xz -T0 -6 >"$CARRY/flashinfer-0.7.2.post1-fa2.tar.xz" || return 1
+    cp "$dl"/apache_tvm_ffi-*.whl "$CARRY/" || return 1
+    (cd "$CARRY" && sha256sum ./*.tar.xz ./*.whl >SHA256SUMS)
+    git check-ignore -q "$CARRY/SHA256SUMS" || { echo "$CARRY is not git-ignored"; return 1; }
+    du -sh "$CARRY"/*
+    local repo carried
+    repo=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
+    carried=$(du -cb "$CARRY" | tail -1 | cut -f1)
+    echo "travels: repo $((repo >> 20)) MiB + $CARRY $((carried >> 20)) MiB (limit 64 MiB)"
+    [ $((repo + carried)) -le $((64 << 20)) ] || { echo "over 64 MiB"; return 1; }
 }
 
-stage() {  # device call 1: keep part a, start the checkpoint so call 2 finds it written
-    cp .whl/a/* .whl/b/* "$STATE/" 2>/dev/null
-    ls -la "$STATE"
-    if [ ! -f "$CKPT/config.json" ] && ! ckpt_running; then
-        setsid nohup "$PY" bench/gpu_decode.py --only "" --model-dir "$CKPT" \
-            --out "$STATE/ckpt.json" >"$STATE/ckpt.log" 2>&1 </dev/null &
-        echo $! >"$STATE/ckpt.pid"
-        echo "checkpoint generation started (pid $!)"
-    fi
+install_carried() {  # device: the trimmed FlashInfer and tvm-ffi into $SITE
+    [ -f "$SITE/.installed" ] && return 0
+    (cd "$CARRY" && sha256sum -c --quiet SHA256SUMS) || return 1
+    mkdir -p "$SITE" && tar -C "$SITE" -xJf "$CARRY"/flashinfer-*.tar.xz || return 1
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$CARRY"/apache_tvm_ffi-*.whl || return 1
+    touch "$SITE/.installed"
 }
 
-ckpt_running() { [ -f "$STATE/ckpt.pid" ] && kill -0 "$(cat "$STATE/ckpt.pid")" 2>/dev/null; }
-
-install_wheels() {
-    cp .whl/a/* .whl/b/* "$STATE/" 2>/dev/null
-    if [ -f "$SITE/.installed" ]; then log "wheels already installed in $SITE"; return 0; fi
-    if (
-        cd "$STATE" || exit 1
-        shopt -s nullglob
-        parts=(flashinfer_python-*.whl.part*)
-        [ ${#parts[@]} -ge 2 ] || { echo "missing wheel parts: have ${parts[*]:-none}"; exit 1; }
-        cat "${parts[@]}" >"${parts[0]%.part00}" && sha256sum -c SHA256SUMS || exit 1
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$SITE" ./*.whl
-    ) >>"$OUT/summary.txt" 2>&1; then
-        touch "$SITE/.installed"
-        log "installed carried wheels"
+phase_cmd() {  # the command of phase $1 (dry run: the CPU variant)
+    local p=$1
+    if [ -n "${TESTS[$p]:-}" ]; then
+        local collect=()
+        [ -n "$DRY" ] && collect=(--collect-only)  # CUDA-only tests: check they are selected
+        echo "$PY -m pytest tests/worker/test_gpu.py -q -rs -p no:cacheprovider -o addopts= " \
+            "${collect[*]} -k '${TESTS[$p]}'"
+    elif [ "$p" = decode ]; then
+        echo "$PY bench/gpu_decode.py --out $WORK/decode.json ${DRY:+--smoke --device cpu}"
     else
-        log "FLASHINFER NOT INSTALLED (see above): the torch backend is what gets measured"
+        echo "$PY bench/gpu_phases.py $p --work $WORK $DRY"
     fi
 }
 
-setup_env() {
-    export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-    export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}  # Hopper only: shorter builds
-    export FLASHINFER_WORKSPACE_BASE=$STATE  # JIT cache kept for later calls on this machine
-    export MAX_JOBS=${MAX_JOBS:-16} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-    if [ -z "${CUDA_HOME:-}" ]; then
-        if command -v nvcc >/dev/null; then CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
-        else CUDA_HOME=/usr/local/cuda; fi
-        export CUDA_HOME
+run_phase() {  # runs phase $1 under its timeout, appends "name rc seconds" to phases.tsv
+    local p=$1 left limit t0 rc
+    left=$((BUDGET - SECONDS - 5))
+    limit=${LIMIT[$p]}
+    [ "$limit" -le "$left" ] || limit=$left
+    if [ "$limit" -lt 10 ]; then
+        log "phase $p: skipped, ${left}s of the budget left (rerun with --only $p)"
+        printf '%s\t124\t0\n' "$p" >>"$WORK/phases.tsv"
+        return
     fi
+    log "phase $p (timeout ${limit}s): $(phase_cmd "$p")"
+    t0=$SECONDS
+    if [ "$p" = setup ] && [ -z "$DRY" ] && ! install_carried >>"$LOG" 2>&1; then
+        log "setup: could not install $CARRY (run scripts/gpu_check.sh prepare and carry it)"
+    fi
+    timeout -k 10 "$limit" bash -c "$(phase_cmd "$p")" 2>&1 | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}
+    printf '%s\t%s\t%s\n' "$p" "$rc" "$((SECONDS - t0))" >>"$WORK/phases.tsv"
+    log "phase $p: exit $rc in $((SECONDS - t0))s"
+    "$PY" bench/gpu_phases.py report --work "$WORK" --out "$OUT" >/dev/null
 }
 
-env_report() {
-    {
-        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-        "$CUDA_HOME/bin/nvcc" --version | tail -2
-        "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
-        "$PY" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
-        nproc; free -g | head -2; df -h /tmp | tail -1
-    } >"$OUT/env.txt" 2>&1
-    log "env: $(tr '\n' ' ' <"$OUT/env.txt" | cut -c1-400)"
-}
+log() { echo "[gpu_check +${SECONDS}s] $*" | tee -a "$LOG"; }
 
-JIT_PIDS=()
-warm_jit() {  # FlashInfer JIT-compiles each kernel family on first use: build them in parallel
-    for kind in decode prefill decode-window prefill-window; do
-        MAX_JOBS=4 timeout 330 "$PY" bench/gpu_decode.py --warm-jit "$kind" >>"$OUT/jit.log" 2>&1 &
-        JIT_PIDS+=($!)
+DRY="" ONLY=""
+while [ $# -gt 0 ]; do
+    case $1 in
+        prepare) prepare; exit $? ;;
+        --dry-run) DRY=--dry-run ;;
+        --only) ONLY=$2; shift ;;
+        --only=*) ONLY=${1#--only=} ;;
+        *) echo "usage: $0 [prepare] [--dry-run] [--only phase,...]"; exit 2 ;;
+    esac
+    shift
+done
+PHASES=("${ALL_PHASES[@]}")
+if [ -n "$ONLY" ]; then
+    IFS=, read -r -a PHASES <<<"$ONLY"
+    for p in "${PHASES[@]}"; do
+        [ -n "${LIMIT[$p]:-}" ] || { echo "unknown phase '$p' (${ALL_PHASES[*]})"; exit 2; }
     done
-}
-
-ensure_checkpoint() {  # start (or join) the checkpoint writer; returns immediately
-    if [ ! -f "$CKPT/config.json" ] && ! ckpt_running; then
-        "$PY" bench/gpu_decode.py --only "" --model-dir "$CKPT" --out "$STATE/ckpt.json" \
-            >"$STATE/ckpt.log" 2>&1 &
-        echo $! >"$STATE/ckpt.pid"
-    fi
-}
-
-wait_checkpoint() {
-    while ckpt_running && [ "$SECONDS" -lt "$BUDGET" ]; do sleep 2; done
-    if [ -f "$CKPT/config.json" ]; then
-        log "checkpoint ready"
-    else
-        log "checkpoint missing: $(tail -3 "$STATE/ckpt.log" 2>/dev/null)"
-    fi
-}
-
-run_tests() {
-    local limit=$((BUDGET - SECONDS - 240))
-    [ "$limit" -gt 60 ] || limit=60
-    log "tests/worker/test_gpu.py (limit ${limit}s)"
-    timeout "$limit" "$PY" -m pytest tests/worker/test_gpu.py -rs -p no:cacheprovider -m "not slow" \
-        >"$OUT/tests.log" 2>&1
-    log "tests exit $?: $(grep -E "passed|failed|skipped|error" "$OUT/tests.log" | tail -1)"
-}
-
-run_bench() {
-    local left=$((BUDGET - SECONDS - 100))
-    [ "$left" -gt 30 ] || { log "no time left for the benchmark (rerun: gpu_check.sh bench)"; return; }
-    log "bench/gpu_decode.py (deadline ${left}s)"
-    timeout $((left + 90)) "$PY" bench/gpu_decode.py --model-dir "$CKPT" --deadline "$left" \
-        --out "$STATE/gpu_decode.json" >>"$OUT/bench.log" 2>&1
-    log "bench exit $?"
-    cp "$STATE/gpu_decode.json" "$OUT/" 2>/dev/null
-}
-
-all() {
-    setup_env
-    install_wheels
-    env_report
-    ensure_checkpoint
-    warm_jit
-    for pid in "${JIT_PIDS[@]}"; do wait "$pid"; done
-    log "jit warm-up done: $(grep -c 'ready in' "$OUT/jit.log")/4 kernel families built"
-    run_tests
-    wait_checkpoint
-    run_bench
-}
-
-case "${1:-all}" in
-    prepare) prepare ;;
-    stage) stage ;;
-    all) all ;;
-    tests) setup_env; install_wheels; env_report; run_tests ;;
-    bench) setup_env; install_wheels; wait_checkpoint; run_bench ;;
-    *) echo "usage: $0 prepare|stage|all|tests|bench"; exit 2 ;;
-esac
-log "done in ${SECONDS}s"
+fi
+OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
+WORK=$(mktemp -d /tmp/gpu_check_work.XXXXXX)
+LOG=$OUT/gpu_check.log
+BUDGET=${GPU_CHECK_BUDGET:-$([ -n "$DRY" ] && echo 170 || echo 400)}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MAX_JOBS=${MAX_JOBS:-16}
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/gpu_check_cache}
+if [ -z "$DRY" ] && [ -z "${CUDA_HOME:-}" ]; then
+    if command -v nvcc >/dev/null; then CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
+    else CUDA_HOME=/usr/local/cuda; fi
+    export CUDA_HOME PATH=$CUDA_HOME/bin:$PATH
+fi
+[ -n "$DRY" ] && export CUDA_VISIBLE_DEVICES=""
+log "gpu_check ${DRY:-on the device}: phases ${PHASES[*]}; output in $OUT; budget ${BUDGET}s"
+for p in "${PHASES[@]}"; do run_phase "$p"; done
+"$PY" bench/gpu_phases.py report --work "$WORK" --out "$OUT" >/dev/null
+rc=$?
+failed=$(awk -F'\t' '$2 != 0 {printf "%s(%s) ", $1, $2}' "$WORK/phases.tsv")
+log "done in ${SECONDS}s: ${failed:+failed: $failed}${failed:-all phases passed}; $OUT/gpu_check.json"
+rm -rf "$WORK"
+exit $rc

@@ -17,6 +17,7 @@ from engine.config import CacheConfig, ConfigError, SchedulerConfig
 from engine.core.admission import max_request_blocks
 from engine.core.step_io import NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
+from engine.worker.sampler import SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -136,27 +137,50 @@ def profile_requests(sched: SchedulerConfig, max_model_len: int) -> list[int]:
     return lens
 
 
-def profile_activation_peak(
-    runner, sched: SchedulerConfig, block_size: int, max_model_len: int
-) -> int:
-    """Peak activation bytes of one forward at max_num_batched_tokens (GPU sizing)."""
+# The profiling step asks for what a served step can: every prompt token's logprobs (top 20,
+# the most allowed) and top-p sampling, so the chunked logits and the sort are in the peak.
+PROFILE_PARAMS = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9, prompt_logprobs=20)
+
+
+def profile_kv_blocks(sched: SchedulerConfig, block_size: int, max_model_len: int) -> int:
+    """KV blocks `profile_step` writes into (blocks 0 .. n-1)."""
+    return sum(math.ceil(n / block_size) for n in profile_requests(sched, max_model_len))
+
+
+def profile_step(runner, sched: SchedulerConfig, block_size: int, max_model_len: int) -> None:
+    """The largest step a served engine can run, on whatever device the runner has, into a KV
+    cache of at least `profile_kv_blocks` blocks.
+
+    One forward at max_num_batched_tokens over `profile_requests`, each prompt token scored
+    (prompt logprobs, in the runner's bounded chunks), sampled with top-p; then one sampler
+    pass with top-p over max_num_seqs rows of full-vocabulary logits (the decode step with
+    the most rows, whose sort is [max_num_seqs, vocab])."""
     lens = profile_requests(sched, max_model_len)
     blocks_per = [math.ceil(n / block_size) for n in lens]
-    runner.allocate_kv_cache(sum(blocks_per))
-    base = torch.cuda.memory_allocated(runner.device)
-    torch.cuda.reset_peak_memory_stats(runner.device)
     so = SchedulerOutput(total_num_scheduled_tokens=sum(lens))
     first = 0
     for i, (n, nb) in enumerate(zip(lens, blocks_per, strict=True)):
         rid = f"profile-{i}"
         blocks = list(range(first, first + nb))
         first += nb
-        so.scheduled_new_reqs.append(
-            NewRequestData(rid, [0] * n, [], SamplingParams(max_tokens=1), blocks, 0)
-        )
+        so.scheduled_new_reqs.append(NewRequestData(rid, [0] * n, [], PROFILE_PARAMS, blocks, 0))
         so.num_scheduled_tokens[rid] = n
     runner.execute(so)
     runner.execute(SchedulerOutput(finished_req_ids=set(so.num_scheduled_tokens)))
+    vocab = runner.model.vocab_size
+    logits = torch.randn(sched.max_num_seqs, vocab, device=runner.device)  # compute_logits: fp32
+    rows = [SamplingRow(PROFILE_PARAMS, (), 1, 0) for _ in range(sched.max_num_seqs)]
+    runner.sampler(logits, rows)
+
+
+def profile_activation_peak(
+    runner, sched: SchedulerConfig, block_size: int, max_model_len: int
+) -> int:
+    """Peak activation bytes of `profile_step` (GPU sizing), its KV cache not counted."""
+    runner.allocate_kv_cache(profile_kv_blocks(sched, block_size, max_model_len))
+    base = torch.cuda.memory_allocated(runner.device)
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    profile_step(runner, sched, block_size, max_model_len)
     peak = torch.cuda.max_memory_allocated(runner.device) - base
     runner.kv_caches = []
     torch.cuda.empty_cache()

@@ -20,7 +20,13 @@ from engine.core.step_io import PromptLogprobsChunk, RunnerOutput, SchedulerOutp
 from engine.worker.attention.base import AttentionBackend, AttentionLayerSpec, ForwardContext
 from engine.worker.decode_graphs import GraphRunner, build_graph_runner
 from engine.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
-from engine.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_generator
+from engine.worker.sampler import (
+    PROMPT_LOGPROBS_CHUNK,
+    Sampler,
+    SamplingRow,
+    compute_prompt_logprobs,
+    make_generator,
+)
 from engine.worker.status import AcceleratorStatus, describe_error
 from graphs.cuda_graphs import GraphFactory
 
@@ -272,10 +278,15 @@ class ModelRunner:
         )
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, out: RunnerOutput):
+        """Logprobs of each scored prompt token, PROMPT_LOGPROBS_CHUNK rows of logits at a
+        time: an 8,192-token chunk of a 128k vocabulary would be 4 GB of float32 at once."""
         for rid, row0, pos0, count in inputs.prompt_logprob_spans:
             st = self.states[rid]
-            logits = self.model.compute_logits(hidden[row0 : row0 + count])
-            targets = torch.tensor(st.token_ids[pos0 + 1 : pos0 + 1 + count], device=self.device)
-            out.prompt_logprobs[rid] = PromptLogprobsChunk(
-                pos0, compute_prompt_logprobs(logits, targets, st.params.prompt_logprobs or 0)
-            )
+            entries = []
+            for start in range(0, count, PROMPT_LOGPROBS_CHUNK):
+                n = min(PROMPT_LOGPROBS_CHUNK, count - start)
+                logits = self.model.compute_logits(hidden[row0 + start : row0 + start + n])
+                first = pos0 + 1 + start
+                targets = torch.tensor(st.token_ids[first : first + n], device=self.device)
+                entries += compute_prompt_logprobs(logits, targets, st.params.prompt_logprobs or 0)
+            out.prompt_logprobs[rid] = PromptLogprobsChunk(pos0, entries)

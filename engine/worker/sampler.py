@@ -28,8 +28,8 @@ from engine.core.step_io import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 # Prompt logprobs are computed in row chunks so a long prefill chunk never materializes a
-# second full [P, V] float32 matrix next to the logits.
-_PROMPT_LOGPROBS_CHUNK = 256
+# full [P, V] logits matrix: the runner computes logits this many rows at a time.
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass
@@ -115,8 +115,8 @@ def compute_prompt_logprobs(
     if logits.shape[0] != target_ids.shape[0]:
         raise ValueError(f"{logits.shape[0]} logit rows for {target_ids.shape[0]} targets")
     out: list[TokenLogprobs] = []
-    for start in range(0, logits.shape[0], _PROMPT_LOGPROBS_CHUNK):
-        end = start + _PROMPT_LOGPROBS_CHUNK
+    for start in range(0, logits.shape[0], PROMPT_LOGPROBS_CHUNK):
+        end = start + PROMPT_LOGPROBS_CHUNK
         lp = torch.log_softmax(logits[start:end].float(), dim=-1)
         targets = target_ids[start:end].to(device=lp.device, dtype=torch.long)
         out.extend(_token_logprobs(lp, targets, [num_top] * lp.shape[0]))

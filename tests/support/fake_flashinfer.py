@@ -27,6 +27,7 @@ class _FakeWrapper:
     ):
         assert kv_layout == "NHD"
         self.use_cuda_graph = use_cuda_graph
+        self.backend = backend
         self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self.plans: list[dict] = []
         self.runs = 0

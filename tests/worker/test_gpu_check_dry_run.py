@@ -1,0 +1,77 @@
+"""scripts/gpu_check.sh --dry-run: every phase of the GPU check on the CPU (tiny shapes, torch
+backend), so a crash in the check is caught here before GPU time is spent (issue 14)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench.gpu_decode as gpu_decode
+
+ROOT = Path(__file__).resolve().parents[2]
+PHASES = ["setup", "jit", "backend", "graphs", "fidelity", "served", "kv", "decode"]
+
+
+def _check(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "OUT": str(out), "PY": sys.executable, **env}
+    full.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run", *args],
+                          cwd=ROOT, env=full, capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_dry_run_passes_every_phase_and_reports_each(tmp_path):
+    proc = _check(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["ok"] and sorted(report["phases"]) == sorted(PHASES)
+    assert all(p["status"] == "ok" for p in report["phases"].values())
+    res = {name: p.get("result", {}) for name, p in report["phases"].items()}
+    assert res["jit"]["modules"] == [
+        "decode-bfloat16-d128", "prefill-fa2-bfloat16-d128", "prefill-fa2-paged-bfloat16-d128"
+    ]  # fmt: skip
+    assert res["served"]["health"] == 200 and res["served"]["grpc_completion_tokens"] == 4
+    assert res["kv"]["top_p_step"].startswith("ok")
+    assert {"decode_eager_b1", "decode_graphs_b4"} <= set(res["decode"])
+    assert "errors" not in res["decode"]
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert all(f"phase {p}: exit 0" in log for p in PHASES)
+
+
+def test_a_phase_out_of_budget_fails_the_check(tmp_path):
+    proc = _check(tmp_path, "--only", "setup", GPU_CHECK_BUDGET="1")
+    assert proc.returncode == 1
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["phases"]["setup"]["status"] == "timeout" and not report["ok"]
+
+
+def test_unknown_phase_is_refused(tmp_path):
+    assert _check(tmp_path, "--only", "setup,warp").returncode == 2
+
+
+def test_gpu_decode_exits_nonzero_when_a_measurement_raises(tmp_path, monkeypatch, capsys):
+    """Defect 1: an error used to be stored in the JSON with exit status 0."""
+
+    def broken(*args, **kwargs):
+        raise TypeError("select_attention_backend() missing 1 required positional argument")
+
+    monkeypatch.setattr(gpu_decode, "bench_decode", broken)
+    out = tmp_path / "decode.json"
+    assert gpu_decode.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 1
+    assert "TypeError" in json.loads(out.read_text())["errors"]["decode"]
+    assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_run_parts_returns_the_parts_that_raised(fails):
+    def part():
+        if fails:
+            raise RuntimeError("boom")
+
+    res: dict = {}
+    assert gpu_decode.run_parts({"p": part}, res) == (["p"] if fails else [])
+    assert ("errors" in res) == fails

@@ -4,9 +4,16 @@
 load on first use, so `import engine` stays cheap for the torch-free core.
 """
 
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "RequestOutput"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "BeamSearchParams",
+    "RequestOutput",
+]
 
 
 def __getattr__(name: str):

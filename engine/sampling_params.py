@@ -52,6 +52,55 @@ def _token_id_set(ids: object) -> frozenset[int]:
         raise SamplingParamsError("must be a list of token ids", "stop_token_ids") from None
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's `StructuredOutputsParams`).
+
+    Exactly one kind is set: `json` (a JSON Schema, as a dict or its JSON text),
+    `json_object` (any JSON object: OpenAI's `response_format: json_object`), `regex`,
+    `choice` (one of these strings) or `grammar` (llguidance's Lark dialect). The grammar
+    engine compiles it at admission, off the engine thread; the sampler then masks every
+    token the constraint forbids. `start_after`: text after which the constraint starts
+    (a reasoning model's end-of-thinking marker such as "</think>"); None: from the first
+    generated token.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    start_after: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+        ] + (["json_object"] if self.json_object else [])
+        _check(
+            len(kinds) == 1,
+            "structured_outputs",
+            "exactly one of json, json_object, regex, choice, grammar must be set"
+            + (f" (got {', '.join(kinds)})" if kinds else ""),
+        )
+        if self.choice is not None:
+            _check(
+                len(self.choice) > 0 and all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice",
+                "must be a non-empty list of non-empty strings",
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, json_object, regex, choice or grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+        )
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -77,6 +126,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -41,9 +41,9 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import (
     EngineDeadError,
@@ -58,6 +58,7 @@ from engine.request_stream import (  # FinishedRequest and RequestStream are re-
     request_outcome,
 )
 from engine.sampling_params import SamplingParams
+from engine.stepped_engine import PreparedLike, SteppedEngine
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -69,52 +70,6 @@ logger = logging.getLogger(__name__)
 # Prompts (characters, or token ids) longer than this are tokenized off the event loop,
 # unless the caller sets its own threshold (`server.offload_prompt_chars`).
 DEFAULT_OFFLOAD_PROMPT_CHARS = 8192
-
-
-class PreparedLike(Protocol):
-    """A validated, tokenized request (`LLMEngine.PreparedRequest`)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-
-
-class SteppedEngine(Protocol):
-    """What AsyncEngine needs of the engine it drives: `LLMEngine`, or a test's stand-in.
-
-    `prepare_request` may run on any thread; everything else runs on the engine thread.
-    """
-
-    config: EngineConfig
-    tokenizer: Any
-    model_name: str
-    max_model_len: int
-    accelerator: AcceleratorStatus  # attention backend, decode graphs, fallback reasons
-
-    def prepare_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> PreparedLike: ...
-
-    def add_prepared(self, prepared: Any) -> None: ...
-
-    def abort(self, request_ids: str | Iterable[str]) -> None: ...
-
-    def step(self) -> list[RequestDelta]: ...
-
-    def fail_step(self, message: str) -> list[RequestDelta]: ...
-
-    def fail_all(self, message: str) -> list[RequestDelta]: ...
-
-    def has_request(self, request_id: str) -> bool: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-
-    def stats(self) -> EngineStats: ...
 
 
 @dataclass

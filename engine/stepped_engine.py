@@ -1,0 +1,66 @@
+"""The contract between the async layer and the engine it drives.
+
+`AsyncEngine` runs any object with this shape on its engine thread: `LLMEngine` in the
+product, a stand-in in tests (tests/support/fake_engine.py). Only `prepare_request` may run
+on another thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from engine.output.request_output import RequestDelta
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.llm_engine import EngineStats
+    from engine.worker.status import AcceleratorStatus
+
+
+class PreparedLike(Protocol):
+    """A validated, tokenized request (`LLMEngine.PreparedRequest`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+
+
+class SteppedEngine(Protocol):
+    """What AsyncEngine needs of the engine it drives: `LLMEngine`, or a test's stand-in.
+
+    `prepare_request` may run on any thread; everything else runs on the engine thread.
+    """
+
+    config: EngineConfig
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    accelerator: AcceleratorStatus  # attention backend, decode graphs, fallback reasons
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | tuple[str, ...] | None = None,
+    ) -> PreparedLike: ...
+
+    def add_prepared(self, prepared: Any) -> None: ...
+
+    def abort(self, request_ids: str | Iterable[str]) -> None: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def fail_step(self, message: str) -> list[RequestDelta]: ...
+
+    def fail_all(self, message: str) -> list[RequestDelta]: ...
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...

@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from engine.worker.kv_sizing import KVGeometry, size_cpu_kv_cache, size_gpu_kv_cache
 from engine.worker.models.loader import load_model
 from engine.worker.runner import ModelRunner
+from engine.worker.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,10 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
+        # Structured outputs: grammars compiled in prepare_request (off the engine thread).
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids
+        )
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         # The SchedulerOutput of the step being run, until it returns: after an exception,
@@ -142,6 +147,8 @@ class LLMEngine:
         admission.check_stop_limits(params, self.config.scheduler)
         params.validate_vocab(self.vocab_size)  # SamplingParamsError is an InvalidRequestError
         params.validate_masks(self.tokenizer.eos_token_ids)
+        so = params.structured_outputs
+        grammar = self.grammars.compile(so) if so is not None else None
         kv = self.kv_manager
         max_tokens = admission.fit_lengths(
             len(ids), params.max_tokens, self.max_model_len, kv.block_size, kv.num_blocks
@@ -166,6 +173,7 @@ class LLMEngine:
                     rid, ids, p, eos_token_ids=eos, arrival_time=arrival,
                     priority=priority, cache_salt=cache_salt,
                     fork_from=None if i == 0 else requests[0].request_id, max_tokens=max_tokens,
+                    grammar=grammar,
                 )
             )  # fmt: skip
         return PreparedRequest(request_id, text, ids, requests)

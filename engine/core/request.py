@@ -68,6 +68,7 @@ class Request:
         cache_salt: str | tuple[str, ...] | None = None,
         fork_from: str | None = None,
         max_tokens: int | None = None,
+        grammar: object | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
@@ -84,6 +85,8 @@ class Request:
             (cache_salt,) if isinstance(cache_salt, str) else tuple(cache_salt or ())
         )
         self.fork_from = fork_from
+        # The compiled structured-outputs grammar (opaque here: the runner's type), or None.
+        self.grammar = grammar
         # Effective output cap: sampling_params.max_tokens clipped to the context left.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.output_token_ids: list[int] = []

@@ -339,6 +339,7 @@ class Scheduler:
                     req.sampling_params,
                     kv.get_block_ids(rid),
                     start,
+                    req.grammar,
                 )
             )
             req.num_computed_tokens = start + num_scheduled[rid]

@@ -32,6 +32,9 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens whose K/V are already in the cache (prefix hit or forked blocks).
     num_computed_tokens: int
+    # The request's compiled structured-outputs grammar, passed through untouched (the
+    # runner builds its matcher from it and replays output_token_ids), or None.
+    grammar: object | None = None
 
 
 @dataclass

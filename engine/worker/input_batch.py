@@ -16,6 +16,7 @@ import torch
 from engine.core.step_io import SchedulerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.worker.attention.base import AttentionMetadata
+from engine.worker.structured.matcher import GrammarState
 
 
 @dataclass
@@ -28,6 +29,8 @@ class CachedRequestState:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Structured outputs: the request's matcher, advanced by each sampled token.
+    grammar: GrammarState | None = None
 
 
 @dataclass

@@ -28,6 +28,9 @@ from engine.worker.sampler import (
     make_generator,
 )
 from engine.worker.status import AcceleratorStatus, describe_error
+from engine.worker.structured.bitmask import fill_bitmask
+from engine.worker.structured.compiler import CompiledGrammar
+from engine.worker.structured.matcher import GrammarState
 from graphs.cuda_graphs import GraphFactory
 
 logger = logging.getLogger(__name__)
@@ -152,6 +155,8 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         # A preempted request keeps its seeded generator so its samples continue, not restart.
         self._parked_generators: dict[str, torch.Generator | None] = {}
+        # llguidance's thread pool for the batch bitmask, made at the first constrained step.
+        self._grammar_executor: Any = None
 
     # ---- KV cache -------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -216,6 +221,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 params=new.sampling_params,
                 generator=gen,
+                grammar=_grammar_state(new.grammar, new.sampling_params, new.output_token_ids),
             )
         for cached in so.scheduled_cached_reqs:
             st = self.states[cached.request_id]
@@ -247,8 +253,10 @@ class ModelRunner:
             return out
         rows_t = torch.tensor(inputs.sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows_t])
-        rows = [self._sampling_row(self.states[rid]) for rid in inputs.sample_req_ids]
-        sampled = self.sampler(logits, rows)
+        states = [self.states[rid] for rid in inputs.sample_req_ids]
+        bitmask = self._grammar_bitmask(states, logits.shape[1])
+        rows = [self._sampling_row(st) for st in states]
+        sampled = self.sampler(logits, rows, bitmask)
         req_ids, token_ids, logprobs = inputs.sample_req_ids, sampled.token_ids, sampled.logprobs
         if sampled.failed:  # rows whose masks left no token: reported, not sampled
             out.failed = {req_ids[i]: why for i, why in sampled.failed.items()}
@@ -257,7 +265,10 @@ class ModelRunner:
             token_ids = [token_ids[i] for i in kept]
             logprobs = [logprobs[i] for i in kept]
         for rid, tok in zip(req_ids, token_ids, strict=True):
-            self.states[rid].token_ids.append(tok)
+            st = self.states[rid]
+            st.token_ids.append(tok)
+            if st.grammar is not None:
+                st.grammar.advance(tok)
         out.req_ids = req_ids
         out.sampled_token_ids = [[t] for t in token_ids]
         if any(lp is not None for lp in logprobs):
@@ -275,6 +286,28 @@ class ModelRunner:
             len(st.token_ids) - st.num_prompt_tokens,
             st.generator,
             () if params.ignore_eos else self.eos_token_ids,
+            grammar=st.grammar is not None and st.grammar.active,
+        )
+
+    def _grammar_bitmask(self, states: list[CachedRequestState], vocab: int):
+        """The step's [N, ceil(V / 32)] grammar bitmask, or None when no row is constrained."""
+        active = [
+            (i, st.grammar) for i, st in enumerate(states) if st.grammar and st.grammar.active
+        ]
+        if not active:
+            return None
+        if self._grammar_executor is None:
+            import llguidance
+
+            self._grammar_executor = llguidance.LLExecutor()
+        grammar = active[0][1].grammar
+        return fill_bitmask(
+            self._grammar_executor,
+            [(i, g.matcher) for i, g in active],
+            len(states),
+            vocab,
+            grammar.eos_token_id,
+            self.eos_token_ids,
         )
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, out: RunnerOutput):
@@ -290,3 +323,19 @@ class ModelRunner:
                 targets = torch.tensor(st.token_ids[first : first + n], device=self.device)
                 entries += compute_prompt_logprobs(logits, targets, st.params.prompt_logprobs or 0)
             out.prompt_logprobs[rid] = PromptLogprobsChunk(pos0, entries)
+
+
+def _grammar_state(
+    grammar: object | None, params, output_token_ids: list[int]
+) -> GrammarState | None:
+    """A fresh matcher for a request the runner has not seen (new, forked, or resumed after
+    preemption by recompute: its output tokens are replayed)."""
+    if grammar is None:
+        return None
+    assert isinstance(grammar, CompiledGrammar)
+    so = params.structured_outputs
+    return GrammarState(
+        grammar,
+        so.start_after if so is not None else None,
+        output_token_ids,
+    )

@@ -6,7 +6,8 @@ batched. Order of operations (the same as vLLM v1, so results are comparable)::
 
     raw logits ──▶ logprobs (log_softmax of the RAW logits, only if a row asks)
         │
-        ├─ allowed_token_ids mask, min_tokens stop-token mask, logit_bias
+        ├─ grammar bitmask (structured outputs), allowed_token_ids mask,
+        │  min_tokens stop-token mask, logit_bias
         ├─ repetition / frequency / presence penalties
         ├─ a row left without any token fails (`SamplerOutput.failed`), never samples one
         ├─ greedy rows: argmax here (temperature and truncation cannot change it)
@@ -22,10 +23,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.core.step_io import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.worker.structured.bitmask import apply_bitmask
 
 # Prompt logprobs are computed in row chunks so a long prefill chunk never materializes a
 # full [P, V] logits matrix: the runner computes logits this many rows at a time.
@@ -48,6 +51,9 @@ class SamplingRow:
     # EOS ids suppressed (with params.stop_token_ids) while fewer than params.min_tokens
     # tokens have been generated. Empty: only params.stop_token_ids are suppressed.
     eos_token_ids: Sequence[int] = ()
+    # True when the step's grammar bitmask has a row for this request (structured outputs
+    # with its grammar active): the sampler masks what the grammar forbids.
+    grammar: bool = False
 
 
 @dataclass
@@ -85,8 +91,16 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Stateless: everything a step needs comes in with the rows."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Samples one token per row of `logits` ([N, V]) and, where asked, its logprobs."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        grammar_bitmask: np.ndarray | None = None,
+    ) -> SamplerOutput:
+        """Samples one token per row of `logits` ([N, V]) and, where asked, its logprobs.
+
+        `grammar_bitmask`: [N, ceil(V / 32)] int32 (`engine.worker.structured.bitmask`),
+        read for the rows whose `grammar` is set."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows), V]; got {tuple(logits.shape)} for {len(rows)} rows"
@@ -98,7 +112,7 @@ class Sampler:
         if _is_plain_greedy(rows):
             token_ids = row_argmax(logits)
         else:
-            token_ids, failed = _sample(logits, rows)
+            token_ids, failed = _sample(logits, rows, grammar_bitmask)
         out = SamplerOutput(token_ids.tolist(), _sampled_logprobs(logits, rows, token_ids), failed)
         for i in failed:
             out.token_ids[i], out.logprobs[i] = -1, None
@@ -134,7 +148,8 @@ def _suppresses_stop_tokens(row: SamplingRow) -> bool:
 def _edits_logits(row: SamplingRow) -> bool:
     p = row.params
     return (
-        bool(p.logit_bias)
+        row.grammar
+        or bool(p.logit_bias)
         or p.allowed_token_ids is not None
         or p.needs_penalties
         or _suppresses_stop_tokens(row)
@@ -148,10 +163,17 @@ def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
 # ---- the sampling path ------------------------------------------------------------------------
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, dict[int, str]]:
+def _sample(
+    logits: torch.Tensor, rows: list[SamplingRow], grammar_bitmask: np.ndarray | None = None
+) -> tuple[torch.Tensor, dict[int, str]]:
     """Token ids [N] for a batch that needs more than a plain argmax, and the rows whose
     masks left no token (their ids are meaningless)."""
     logits = logits.clone()  # the raw logits stay intact for logprobs
+    grammar_rows = [i for i, r in enumerate(rows) if r.grammar]
+    if grammar_rows:
+        if grammar_bitmask is None:
+            raise ValueError("rows marked grammar need a grammar_bitmask")
+        apply_bitmask(logits, grammar_bitmask, grammar_rows)
     _apply_allowed_token_ids(logits, rows)
     _apply_min_tokens(logits, rows)
     _apply_logit_bias(logits, rows)
@@ -196,7 +218,7 @@ def _rows_without_a_token(logits: torch.Tensor, rows: list[SamplingRow]) -> dict
     masked = [
         i
         for i, r in enumerate(rows)
-        if r.params.allowed_token_ids is not None or _suppresses_stop_tokens(r)
+        if r.grammar or r.params.allowed_token_ids is not None or _suppresses_stop_tokens(r)
     ]
     if not masked:
         return {}
@@ -208,6 +230,8 @@ def _rows_without_a_token(logits: torch.Tensor, rows: list[SamplingRow]) -> dict
 def _no_token_message(row: SamplingRow) -> str:
     p = row.params
     masks = []
+    if row.grammar:
+        masks.append("the structured_outputs grammar")
     if p.allowed_token_ids is not None:
         masks.append("allowed_token_ids")
     if _suppresses_stop_tokens(row):

@@ -26,9 +26,9 @@ class Recorder:
             return type(model).compute_logits(model, hidden)
 
         class _Sampler(Sampler):
-            def __call__(_, logits, rows):
+            def __call__(_, logits, rows, grammar_bitmask=None):
                 self.sampler_calls.append((logits.shape[0], list(rows)))
-                return sampler(logits, rows)
+                return sampler(logits, rows, grammar_bitmask)
 
         model.compute_logits = compute_logits
         runner.sampler = _Sampler()

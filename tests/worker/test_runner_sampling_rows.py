@@ -16,9 +16,9 @@ class RecordingSampler(Sampler):
     def __init__(self) -> None:
         self.steps: list[list[SamplingRow]] = []
 
-    def __call__(self, logits, rows):
+    def __call__(self, logits, rows, grammar_bitmask=None):
         self.steps.append(list(rows))
-        return super().__call__(logits, rows)
+        return super().__call__(logits, rows, grammar_bitmask)
 
 
 @pytest.fixture(scope="module")

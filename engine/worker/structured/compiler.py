@@ -1,0 +1,210 @@
+"""Compiles a `StructuredOutputsParams` into an llguidance grammar, once per distinct spec.
+
+`GrammarCompiler.compile` runs on the caller's thread (`LLMEngine.prepare_request`, which
+the async engine calls off the engine thread) and does the heavy part on its own worker
+thread, waiting at most `timeout_s`:
+
+- llguidance's `LLMatcher(...)` constructor builds the grammar in Rust with the GIL
+  dropped (its documented contract), so the engine thread keeps stepping meanwhile;
+- the work itself is bounded by `LLParserLimits` (grammar size, lexer states, lexer fuel):
+  a pathological schema stops inside llguidance with an error, which is what really ends
+  it (a Python thread cannot be killed); the wall-clock timeout only stops the wait, so a
+  slow compile is refused (`SamplingParamsError`) while its thread runs out its fuel.
+
+Results are cached by (kind, canonical spec) in an LRU of `cache_size` entries; concurrent
+requests for the same spec share one compile. Errors name `structured_outputs.<kind>`.
+
+JSON whitespace is not flexible: items and keys are separated by "," and ":" with no
+blanks or newlines (as OpenAI's strict mode and vLLM's `disable_any_whitespace`), so a
+sampled answer cannot run to max_tokens on whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance as llg
+
+from engine.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+DEFAULT_CACHE_SIZE = 256
+DEFAULT_TIMEOUT_S = 10.0
+# Compact JSON: no whitespace between tokens (see the module docstring).
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+_ANY_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A validated grammar: `template` is a fresh matcher each request copies (immutable
+    in use: nobody consumes tokens on it). `eos_token_id` is the one EOS id llguidance's
+    mask uses; the runner extends its verdict to every EOS id of the model."""
+
+    kind: str
+    template: llg.LLMatcher
+    tokenizer: llg.LLTokenizer
+    vocab_size: int
+    eos_token_id: int
+
+    def new_matcher(self) -> llg.LLMatcher:
+        return self.template.deep_copy()
+
+
+class GrammarCompiler:
+    """Compiles and caches grammars for one tokenizer (thread-safe)."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        *,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        limits: llg.LLParserLimits | None = None,
+    ):
+        """`vocab_size`: the model's logits width (may exceed the tokenizer's: the padded
+        ids have no bytes, so no grammar ever allows them). `eos_token_ids`: the model's
+        EOS ids; the tokenizer's own (else the smallest) is the one llguidance knows."""
+        eos = sorted(eos_token_ids)
+        if not eos:
+            raise ValueError("structured outputs need the model's EOS token id")
+        self._hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        own = getattr(hf_tokenizer, "eos_token_id", None)
+        self.eos_token_id = own if own in eos else eos[0]
+        self.cache_size = cache_size
+        self.timeout_s = timeout_s
+        self.limits = limits or llg.LLParserLimits()
+        self._ll_tokenizer: llg.LLTokenizer | None = None
+        self._lock = threading.RLock()  # a done future runs _finish in compile's lock
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._in_flight: dict[tuple[str, str], Future[CompiledGrammar]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+
+    @property
+    def ll_tokenizer(self) -> llg.LLTokenizer:
+        """llguidance's view of the tokenizer, built once (about a second for 150k tokens)."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.vocab_size, eos_token=self.eos_token_id
+                )
+            return self._ll_tokenizer
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """The grammar for `spec`, from the cache or compiled now (waiting at most
+        `timeout_s`). Raises `SamplingParamsError` naming structured_outputs.<kind>."""
+        kind = spec.kind
+        key = (kind, _canonical(spec))
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            fut = self._in_flight.get(key)
+            if fut is None:
+                fut = self._pool.submit(self._build, kind, key[1])
+                self._in_flight[key] = fut
+                fut.add_done_callback(lambda f, k=key: self._finish(k, f))
+        try:
+            return fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise SamplingParamsError(
+                f"grammar compilation did not finish within {self.timeout_s:g}s",
+                f"structured_outputs.{kind}",
+            ) from None
+
+    def cached(self, spec: StructuredOutputsParams) -> bool:
+        """True when `spec`'s grammar is in the cache (tests and metrics)."""
+        with self._lock:
+            return (spec.kind, _canonical(spec)) in self._cache
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- on the compile thread ------------------------------------------------------------
+    def _build(self, kind: str, canonical: str) -> CompiledGrammar:
+        param = f"structured_outputs.{kind}"
+        try:
+            grammar = _to_llguidance(kind, canonical)
+        except ValueError as e:
+            raise SamplingParamsError(f"invalid: {e}", param) from None
+        # Drops the GIL while it builds; never raises for grammar errors (error state).
+        matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            raise SamplingParamsError(_short(matcher.get_error()), param)
+        return CompiledGrammar(kind, matcher, self.ll_tokenizer, self.vocab_size, self.eos_token_id)
+
+    def _finish(self, key: tuple[str, str], fut: Future[CompiledGrammar]) -> None:
+        with self._lock:
+            self._in_flight.pop(key, None)
+            if fut.cancelled() or fut.exception() is not None:
+                return
+            self._cache[key] = fut.result()
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+
+
+def _canonical(spec: StructuredOutputsParams) -> str:
+    """One string per distinct constraint: JSON schemas with sorted keys, choices as a
+    JSON list. Raises `SamplingParamsError` for a schema that is not JSON."""
+    kind = spec.kind
+    if kind == "json":
+        schema = spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise SamplingParamsError(
+                    f"not valid JSON: {e}", "structured_outputs.json"
+                ) from None
+        if not isinstance(schema, dict | bool):
+            raise SamplingParamsError("a JSON Schema must be an object", "structured_outputs.json")
+        try:
+            return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise SamplingParamsError(
+                f"not JSON-serializable: {e}", "structured_outputs.json"
+            ) from None
+    if kind == "json_object":
+        return ""
+    if kind == "choice":
+        return json.dumps(list(spec.choice or ()), ensure_ascii=False)
+    value = getattr(spec, kind)
+    if not isinstance(value, str) or not value:
+        raise SamplingParamsError("must be a non-empty string", f"structured_outputs.{kind}")
+    return value
+
+
+def _to_llguidance(kind: str, canonical: str) -> str:
+    """The llguidance grammar (its JSON form) for a canonical spec."""
+    if kind == "json":
+        return llg.LLMatcher.grammar_from_json_schema(canonical, defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(canonical)
+    if kind == "choice":
+        # Lark string literals take JSON's escapes; one alternative per choice.
+        alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(canonical))
+        return llg.LLMatcher.grammar_from_lark(f"start: {alts}\n")
+    if kind == "grammar":
+        return llg.LLMatcher.grammar_from_lark(canonical)
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def _short(message: str, limit: int = 500) -> str:
+    """llguidance's error, trimmed so a huge schema does not come back whole in a 400."""
+    message = message.strip()
+    return message if len(message) <= limit else message[: limit - 3] + "..."

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from appliance import structured
 from appliance.grpc import errors
 from appliance.grpc.auth import cache_salt_of
 from appliance.grpc.errors import RpcError, invalid
@@ -36,7 +37,10 @@ _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 _VERSIONS = ("", "1")
 
 
-def _field_of(param: str | None) -> str:
+def _field_of(param: str | None, parsed: LLMRequest | None = None) -> str:
+    if structured.is_engine_param(param):
+        c = parsed.constraint if parsed is not None else None
+        return c.field if c is not None else "sampling_parameters"
     if param in _SAMPLING_FIELDS:
         return f"sampling_parameters.{param}"
     if param in (None, "prompt"):
@@ -122,6 +126,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
     ) -> kpb.ModelInferResponse:
         """The whole generation in one response (`stream` must be false here)."""
         result = None
+        parsed: LLMRequest | None = None
         try:
             self._check_model(request.model_name, request.model_version)
             parsed = parse_request(request)
@@ -132,7 +137,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         except RpcError as e:
             await errors.abort(context, e)
         except errors.ENGINE_ERRORS as e:
-            await errors.abort(context, errors.from_engine_error(e, _field_of))
+            err = errors.from_engine_error(e, lambda p: _field_of(p, parsed))
+            await errors.abort(context, err)
         return result
 
     async def ModelStreamInfer(
@@ -174,6 +180,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             head = kpb.ModelInferResponse(model_name=req.model_name, id=req.id)
             emit(kpb.ModelStreamInferResponse(error_message=message, infer_response=head))
 
+        parsed: LLMRequest | None = None
         try:
             self._check_model(req.model_name, req.model_version)
             parsed = parse_request(req)
@@ -182,7 +189,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         except RpcError as e:
             fail(e.message)
         except errors.ENGINE_ERRORS as e:
-            fail(errors.from_engine_error(e, _field_of).message)
+            fail(errors.from_engine_error(e, lambda p: _field_of(p, parsed)).message)
         except Exception:  # a bug: answer this request in-band, keep the stream's others
             logger.exception("kserve stream request failed", extra={"fields": {"id": req.id}})
             fail(INTERNAL_MESSAGE)

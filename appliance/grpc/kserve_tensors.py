@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance import structured
 from appliance.grpc.errors import invalid
 from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
 from engine.sampling_params import SamplingParams
@@ -51,6 +52,12 @@ _BOOLS = {
     "spaces_between_special_tokens",
 }  # fmt: skip
 _AS_IS = {"stop", "stop_token_ids", "logit_bias", "allowed_token_ids"}
+# Structured outputs, as Triton's vLLM backend reads them: `structured_outputs` (an object,
+# or its JSON text) and the older `guided_decoding` (whose `backend` it accepts and drops);
+# also vLLM's flat `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
+_CONSTRAINT_OBJECTS = {"structured_outputs": frozenset(), "guided_decoding": frozenset({"backend"})}
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}  # fmt: skip
 _INT_STRING = re.compile(r"-?[0-9]+")
 
 
@@ -63,6 +70,7 @@ class LLMRequest:
     stream: bool = False
     exclude_input: bool = False
     flags: dict[str, bool] = field(default_factory=dict)  # the return_* inputs
+    constraint: structured.Constraint | None = None  # and the key it came from
 
 
 def encode_bytes(items: list[bytes]) -> bytes:
@@ -178,20 +186,28 @@ def _loads(raw: bytes | str, name: str) -> Any:
         raise invalid(name, f"not valid JSON: {e}") from None
 
 
-def sampling_from_json(raw: bytes | None) -> SamplingParams:
+def sampling_from_json(raw: bytes | None) -> tuple[SamplingParams, structured.Constraint | None]:
     """The vLLM backend's `sampling_parameters` JSON; string values are converted.
 
     Any JSON type can arrive in any key, so every conversion error becomes an
     INVALID_ARGUMENT naming the key, never an exception from deeper in the server."""
     if not raw:
-        return SamplingParams()
+        return SamplingParams(), None
     obj = _loads(raw, "sampling_parameters")
     if not isinstance(obj, dict):
         raise invalid("sampling_parameters", "must be a JSON object")
     kw: dict[str, Any] = {}
+    given: list[structured.Given] = []
     for key, v in obj.items():
         try:
-            if key in _FLOATS:
+            if key in _CONSTRAINT_OBJECTS:
+                name = f"sampling_parameters.{key}"
+                if isinstance(v, str):
+                    v = _loads(v, name)
+                given += structured.from_object(v, name, _CONSTRAINT_OBJECTS[key])
+            elif key in _GUIDED:
+                given.append(structured.Given(f"sampling_parameters.{key}", _GUIDED[key], v))
+            elif key in _FLOATS:
                 kw[key] = _parse_float(key, v)
             elif key in _INTS:
                 kw[key] = None if v is None else _parse_int(key, v)
@@ -203,7 +219,9 @@ def sampling_from_json(raw: bytes | None) -> SamplingParams:
                 raise invalid(f"sampling_parameters.{key}", "unknown sampling parameter")
         except (TypeError, ValueError, OverflowError) as e:
             raise invalid(f"sampling_parameters.{key}", f"bad value {v!r:.80}") from e
-    return SamplingParams(**kw)
+    if (c := structured.build(given)) is not None:
+        kw["structured_outputs"] = c.params
+    return SamplingParams(**kw), c
 
 
 def parse_request(req: kpb.ModelInferRequest) -> LLMRequest:
@@ -217,14 +235,14 @@ def parse_request(req: kpb.ModelInferRequest) -> LLMRequest:
     except UnicodeDecodeError as e:
         raise invalid(TEXT_INPUT, "must be UTF-8") from e
     flags = {name: bool(_single(values, name, "BOOL")) for name in _BOOL_INPUTS}
-    params = sampling_from_json(_single(values, "sampling_parameters", "BYTES"))
+    params, constraint = sampling_from_json(_single(values, "sampling_parameters", "BYTES"))
     stream, exclude = flags.pop("stream"), flags.pop("exclude_input_in_output")
     explicit_exclude = "exclude_input_in_output" in values
     if not explicit_exclude:
         exclude = stream  # Triton's vLLM backend: a stream never repeats the prompt
     elif stream and not exclude:
         raise invalid("exclude_input_in_output", "must be true when streaming")
-    return LLMRequest(prompt, params, stream, exclude, flags)
+    return LLMRequest(prompt, params, stream, exclude, flags, constraint)
 
 
 def infer_response(

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from appliance import structured
 from appliance.grpc import errors
 from appliance.grpc.auth import cache_salt_of
 from appliance.grpc.errors import RpcError, invalid
@@ -51,7 +52,19 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         kw["logit_bias"] = dict(sp.logit_bias)
     if sp.allowed_token_ids:
         kw["allowed_token_ids"] = list(sp.allowed_token_ids)
+    if (c := constraint(sp)) is not None:
+        kw["structured_outputs"] = c.params
     return SamplingParams(**kw)
+
+
+def constraint(sp: pb.SamplingParams) -> structured.Constraint | None:
+    """The `structured_outputs` oneof; errors name `sampling.<field>`."""
+    kind = sp.WhichOneof("structured_outputs")
+    if kind is None:
+        return None
+    value = list(sp.choice.choices) if kind == "choice" else getattr(sp, kind)
+    engine_kind = "json" if kind == "json_schema" else kind
+    return structured.build([structured.Given(f"sampling.{kind}", engine_kind, value)])
 
 
 def _chat_messages(chat: pb.Chat) -> list[dict[str, str]]:
@@ -152,6 +165,9 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         error: str | None = None
 
         def field_of(param: str | None) -> str:
+            if structured.is_engine_param(param):
+                kind = request.sampling.WhichOneof("structured_outputs")
+                return f"sampling.{kind}" if kind else "sampling"
             if param in _SAMPLING_FIELDS:
                 return f"sampling.{param}"
             if param in (None, "prompt", "messages"):

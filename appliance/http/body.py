@@ -32,17 +32,12 @@ _HARMLESS = {
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
     "reasoning_effort": lambda v: v is None,
     "suffix": lambda v: v in (None, ""),
-    "guided_json": lambda v: v is None,
-    "guided_regex": lambda v: v is None,
-    "guided_choice": lambda v: v is None,
-    "guided_grammar": lambda v: v is None,
     "use_beam_search": lambda v: v in (None, False),
 }
 

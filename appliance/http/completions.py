@@ -63,6 +63,7 @@ async def create_completion(request: Request) -> Response:
         rid,
         priority=req.priority,
         arrival_time=arrival,
+        map_param=lambda p: convert.engine_param(p, req),
         trace=(request, "text_completion"),
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
     )

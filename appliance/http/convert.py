@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from appliance import structured
 from appliance.http.errors import APIError, bad_request
 from appliance.http.protocol import (
     ChatCompletionRequest,
@@ -73,10 +74,38 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
             prompt_logprobs=prompt_logprobs,
             logit_bias=req.logit_bias,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=c.params if (c := constraint(req)) else None,
         )
     except SamplingParamsError as e:
         param = max_tokens_param if e.param == "max_tokens" else e.param
         raise bad_request(f"{param}: {e.reason}", param) from None
+
+
+def constraint(req: CompletionRequest | ChatCompletionRequest) -> structured.Constraint | None:
+    """The structured-output constraint the request set, in any of its spellings (at most
+    one); SamplingParamsError naming the field as the client wrote it."""
+    given: list[structured.Given] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        given.append(structured.Given("response_format", "json_object", True))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise SamplingParamsError(
+                "is required when response_format.type is json_schema",
+                "response_format.json_schema",
+            )
+        if rf.json_schema.schema_ is None:
+            raise SamplingParamsError("is required", "response_format.json_schema.schema")
+        given.append(
+            structured.Given("response_format.json_schema.schema", "json", rf.json_schema.schema_)
+        )
+    if req.structured_outputs is not None:
+        so = req.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        given += structured.from_object(so, "structured_outputs")
+    for kind in ("json", "regex", "choice", "grammar"):
+        if (value := getattr(req, f"guided_{kind}")) is not None:
+            given.append(structured.Given(f"guided_{kind}", kind, value))
+    return structured.build(given)
 
 
 def _prompt_logprobs(req: CompletionRequest) -> int | None:
@@ -121,6 +150,8 @@ def engine_param(param: str | None, req: CompletionRequest | ChatCompletionReque
         return "max_completion_tokens"
     if param == "prompt" and isinstance(req, ChatCompletionRequest):
         return "messages"
+    if structured.is_engine_param(param):
+        return structured.client_field(param, constraint(req))
     return param
 
 

@@ -4,9 +4,9 @@ Request models are strict (no "5" for 5, no 1 for true) and forbid unknown field
 typo or an unsupported OpenAI parameter is a 400 naming the field rather than a silent
 no-op. A few OpenAI fields that change nothing here are declared and documented as
 accepted-and-ignored (`user`, `store`, `metadata`, `service_tier`, `parallel_tool_calls`).
-Fields we do not implement but clients commonly send (`tools`, `response_format`, ...) are
-refused explicitly by `features.check_unsupported` before validation, unless their value
-is the harmless default. The same models generate /openapi.json.
+Fields we do not implement but clients commonly send (`tools`, `audio`, ...) are
+refused explicitly by `body.check_unsupported` before validation, unless their value is the
+harmless default. The same models generate /openapi.json.
 """
 
 from __future__ import annotations
@@ -30,6 +30,33 @@ class ResponseModel(BaseModel):
 class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+# ---- structured outputs (appliance.structured turns these into the engine's params) --------
+class JsonSchemaFormat(RequestModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON Schema.")
+    strict: bool | None = Field(
+        None, description="Accepted; the schema is always enforced, strict or not."
+    )
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema.")
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs`: exactly one kind."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON Schema.")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="A grammar in llguidance's Lark dialect.")
 
 
 class SamplingFields(RequestModel):
@@ -66,6 +93,15 @@ class SamplingFields(RequestModel):
         "prompt blocks (and cached_tokens). With server.cache_salt_by_api_key the server adds "
         "the caller's API key.",
     )
+    # structured outputs: at most one of these (see docs/serving.md)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="Alias of structured_outputs.json."
+    )
+    guided_regex: str | None = Field(None, description="Alias of structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, description="Alias of structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="Alias of structured_outputs.grammar.")
 
 
 # ---- completions -------------------------------------------------------------------------

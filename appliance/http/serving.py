@@ -145,7 +145,10 @@ async def submit(
                 state.tracer.forget(base_id if len(prompts) == 1 else f"{base_id}-{i}")
         if isinstance(e, Exception):
             err = from_engine_error(e)
-            err.param = map_param(err.param)
+            param = map_param(err.param)
+            if err.param and param != err.param and err.message.startswith(f"{err.param}:"):
+                err.message = param + err.message[len(err.param) :]
+            err.param = param
             raise err from None
         raise
     return streams

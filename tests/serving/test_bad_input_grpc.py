@@ -84,6 +84,15 @@ GENERATE: list[tuple[str, pb.GenerateRequest, grpc.StatusCode, str | None]] = [
     ("allowed ids all EOS under min_tokens", _gen(allowed_token_ids=[EOS_ID], min_tokens=3, max_tokens=4), INVALID, "sampling.allowed_token_ids"),
     ("chat unknown role", pb.GenerateRequest(chat=_chat(("user", "hi"), ("wizard", "hi"))), INVALID, "chat.messages.1.role"),
     ("chat role in capitals", pb.GenerateRequest(chat=_chat(("USER", "hi"))), INVALID, "chat.messages.0.role"),
+    # ---- structured outputs (issue 16) ------------------------------------------------------
+    ("json_schema not json", _gen(json_schema="{nope"), INVALID, "sampling.json_schema"),
+    ("json_schema a list", _gen(json_schema="[1, 2]"), INVALID, "sampling.json_schema"),
+    ("json_schema empty", _gen(json_schema=""), INVALID, "sampling.json_schema"),
+    ("regex empty", _gen(regex=""), INVALID, "sampling.regex"),
+    ("grammar empty", _gen(grammar=""), INVALID, "sampling.grammar"),
+    ("choice empty", _gen(choice=pb.Choices()), INVALID, "sampling.choice"),
+    ("choice with an empty string", _gen(choice=pb.Choices(choices=["a", ""])), INVALID, "sampling.choice"),
+    # ---- end structured outputs -------------------------------------------------------------
 ]  # fmt: skip
 
 
@@ -202,6 +211,18 @@ KSERVE_SAMPLING: list[tuple[str, bytes, str]] = [
     ("logit_bias key in arabic digits", _sp(logit_bias={"\u0665": 1}), "sampling_parameters.logit_bias"),
     ("logit_bias key with a leading zero", _sp(logit_bias={"5": 1, "05": -1}), "sampling_parameters.logit_bias"),
     ("allowed ids all EOS under min_tokens", _sp(allowed_token_ids=[EOS_ID], min_tokens=3, max_tokens=4), "sampling_parameters.allowed_token_ids"),
+    # ---- structured outputs (issue 16) ------------------------------------------------------
+    ("structured_outputs not an object", _sp(structured_outputs=5), "sampling_parameters.structured_outputs"),
+    ("structured_outputs text not json", _sp(structured_outputs="{nope"), "sampling_parameters.structured_outputs"),
+    ("structured_outputs empty", _sp(structured_outputs={}), "sampling_parameters.structured_outputs"),
+    ("structured_outputs unknown key", _sp(structured_outputs={"backend": "x"}), "sampling_parameters.structured_outputs"),
+    ("structured_outputs two kinds", _sp(structured_outputs={"regex": "a", "choice": ["a"]}), "sampling_parameters.structured_outputs.choice"),
+    ("structured_outputs choice empty", _sp(structured_outputs=json.dumps({"choice": []})), "sampling_parameters.structured_outputs.choice"),
+    ("guided_decoding json a list", _sp(guided_decoding={"json": [1]}), "sampling_parameters.guided_decoding.json"),
+    ("guided_json a number", _sp(guided_json=5), "sampling_parameters.guided_json"),
+    ("guided_regex a list", _sp(guided_regex=["a"]), "sampling_parameters.guided_regex"),
+    ("guided_json and guided_regex", _sp(guided_json={"type": "object"}, guided_regex="a"), "sampling_parameters.guided_regex"),
+    # ---- end structured outputs -------------------------------------------------------------
 ]  # fmt: skip
 
 

@@ -116,7 +116,6 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str | None, str | None]] =
     ("stream string", "POST", "/v1/completions", {"json": {**CMPL, "stream": "true"}}, 400, "stream", "invalid_type"),
     ("stream_options unknown key", "POST", "/v1/completions", {"json": {**CMPL, "stream": True, "stream_options": {"bogus": 1}}}, 400, "stream_options.bogus", "unknown_parameter"),
     ("suffix", "POST", "/v1/completions", {"json": {**CMPL, "suffix": "end"}}, 400, "suffix", "unsupported_parameter"),
-    ("guided_json", "POST", "/v1/completions", {"json": {**CMPL, "guided_json": {"type": "object"}}}, 400, "guided_json", "unsupported_parameter"),
     ("beam search", "POST", "/v1/completions", {"json": {**CMPL, "use_beam_search": True}}, 400, "use_beam_search", "unsupported_parameter"),
     ("prompt_logprobs streamed", "POST", "/v1/completions", {"json": {**CMPL, "prompt_logprobs": 1, "stream": True}}, 400, "prompt_logprobs", "unsupported_parameter"),
     ("prompt_logprobs over 20", "POST", "/v1/completions", {"json": {**CMPL, "prompt_logprobs": 21}}, 400, "prompt_logprobs", None),
@@ -158,6 +157,16 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str | None, str | None]] =
     ("logit_bias key with an underscore", "POST", "/v1/completions", {"json": {**CMPL, "logit_bias": {"5_0": 1}}}, 400, "logit_bias", None),
     ("logit_bias key in arabic digits", "POST", "/v1/chat/completions", {"json": {**CHAT, "logit_bias": {"\u0665": 1}}}, 400, "logit_bias", None),
     ("logit_bias key with a leading zero", "POST", "/v1/completions", {"json": {**CMPL, "logit_bias": {"5": 1, "05": -1}}}, 400, "logit_bias", None),
+    # ---- structured outputs (issue 16) ------------------------------------------------------
+    ("guided_json a number", "POST", "/v1/completions", {"json": {**CMPL, "guided_json": 5}}, 400, "guided_json", None),
+    ("guided_choice empty", "POST", "/v1/completions", {"json": {**CMPL, "guided_choice": []}}, 400, "guided_choice", None),
+    ("guided_regex not a string", "POST", "/v1/chat/completions", {"json": {**CHAT, "guided_regex": ["a"]}}, 400, "guided_regex", None),
+    ("response_format unknown type", "POST", "/v1/chat/completions", {"json": {**CHAT, "response_format": {"type": "xml"}}}, 400, "response_format.type", None),
+    ("json_schema without schema", "POST", "/v1/chat/completions", {"json": {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}}, 400, "response_format.json_schema.schema", None),
+    ("json_schema schema not an object", "POST", "/v1/completions", {"json": {**CMPL, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "str"}}}}, 400, "response_format.json_schema.schema", None),
+    ("structured_outputs two kinds", "POST", "/v1/completions", {"json": {**CMPL, "structured_outputs": {"regex": "a", "grammar": "start: \"a\""}}}, 400, "structured_outputs.grammar", None),
+    ("two constraint fields", "POST", "/v1/chat/completions", {"json": {**CHAT, "response_format": {"type": "json_object"}, "guided_choice": ["a"]}}, 400, "guided_choice", None),
+    # ---- end structured outputs -------------------------------------------------------------
 ]  # fmt: skip
 
 

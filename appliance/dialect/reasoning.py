@@ -33,6 +33,7 @@ class ReasoningStream:
         self.parser = parser
         self.buf = ""  # text not yet sent (a marker may be forming at its end)
         self.state = "start"  # start -> reasoning -> content
+        self.after_end = False  # just past </think>: its trailing newlines are dropped
 
     def feed(self, piece: str) -> Split:
         self.buf += piece
@@ -50,11 +51,17 @@ class ReasoningStream:
             i = self.buf.find(THINK_END)
             if i < 0:
                 keep = _partial_prefix(self.buf, THINK_END)
-                out.reasoning, self.buf = self.buf[: len(self.buf) - keep], self.buf[-keep:] if keep else ""
+                out.reasoning, self.buf = (
+                    self.buf[: len(self.buf) - keep],
+                    self.buf[-keep:] if keep else "",
+                )
                 return out
-            out.reasoning, self.buf = self.buf[:i], self.buf[i + len(THINK_END) :].lstrip("\n")
-            self.state = "content"
+            out.reasoning, self.buf = self.buf[:i], self.buf[i + len(THINK_END) :]
+            self.state, self.after_end = "content", True
         if self.state == "content":
+            if self.after_end:
+                self.buf = self.buf.lstrip("\n")
+                self.after_end = not self.buf
             out.content, self.buf = self.buf, ""
         return out
 

@@ -40,7 +40,9 @@ class _Format:
 
 
 _FORMATS = {
-    "hermes": _Format("<tool_call>", re.compile(r"\s*(?:</tool_call>\s*)?(?:<tool_call>\s*)?"),
+    "hermes": _Format(
+        "<tool_call>",
+        re.compile(r"\s*(?:</tool_call>\s*)?(?:<tool_call>\s*)?"),
         markers=("</tool_call>", "<tool_call>"),
     ),
     "llama3": _Format("", re.compile(r"\s*;?\s*"), start_only_at_beginning=True),
@@ -270,6 +272,8 @@ def parse_tool_calls(text: str, parser: str, tool_names: set[str] | None = None)
     s = ToolCallStream(parser)
     s.feed(text)
     s.finish()
+    if not s.calls:
+        return ParsedOutput(text, [])
     for c in s.calls:
         try:
             args = json.loads(c.arguments)

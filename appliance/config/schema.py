@@ -100,9 +100,27 @@ class ServerConfig:
     # Salt every request's prefix-cache entries by its API key (a hash of it), so tenants
     # never share cached blocks (nor learn each other's prompts from cached_tokens).
     cache_salt_by_api_key: bool = False
+    # How chat answers are read for tool calls (vLLM's --tool-call-parser): auto (from the
+    # chat template; hermes when it has no tools section), hermes, llama3, mistral, or none
+    # (tools are refused with a 400).
+    tool_parser: str = "auto"
+    # How a reasoning section is split into `reasoning_content` (vLLM's --reasoning-parser):
+    # none, qwen3 (`<think>` at the start of the answer) or deepseek_r1 (reasoning until
+    # `</think>`, its opening tag being in the prompt).
+    reasoning_parser: str = "none"
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "server.host", "must not be empty")
+        _require(
+            self.tool_parser in ("auto", "hermes", "llama3", "mistral", "none"),
+            "server.tool_parser",
+            "must be one of auto, hermes, llama3, mistral, none",
+        )
+        _require(
+            self.reasoning_parser in ("none", "qwen3", "deepseek_r1"),
+            "server.reasoning_parser",
+            "must be one of none, qwen3, deepseek_r1",
+        )
         _require(_valid_port(self.http_port), "server.http_port", "must be in [0, 65535]")
         if self.grpc_port is not None:
             _require(_valid_port(self.grpc_port), "server.grpc_port", "must be in [0, 65535]")

@@ -5,7 +5,7 @@ chunked or lying client cannot push more than `server.max_request_body`), and th
 body must arrive within `server.body_timeout_s` (else 408 and the connection is closed: a
 client that announces a body and sends half of it cannot hold a connection forever). Unsupported
 OpenAI parameters are refused here with a 400 naming them, unless the value is the harmless
-default (`tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`, ...), which
+default (`functions: []`, `audio: null`, ...), which
 is dropped before validation.
 """
 
@@ -28,8 +28,6 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 # field -> predicate: True when the value is harmless and may be dropped.
 _HARMLESS = {
-    "tools": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: v in (None, []),
     "function_call": lambda v: v in (None, "none"),
     "modalities": lambda v: v in (None, ["text"]),

@@ -3,10 +3,15 @@
 Streaming follows OpenAI's shape: a first chunk per choice with `delta.role`, content
 deltas, a last chunk per choice with `finish_reason`, an optional usage chunk with no
 choices (`stream_options.include_usage`), then `data: [DONE]`.
+
+Tools and reasoning (appliance/dialect): the template gets `tools=` (or the fallback system
+prompt), each choice's text is split into `reasoning_content`, `content` and `tool_calls`,
+and a `tool_choice` that forces a call becomes a grammar constraint on the engine request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -14,6 +19,15 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from appliance.dialect.chat_output import (
+    ChatDialect,
+    ChoiceStream,
+    DialectError,
+    chat_dialect,
+    parse_choice,
+)
+from appliance.dialect.reasoning import THINK_END
+from appliance.dialect.tools_prompt import prepare_messages, template_handles_tools
 from appliance.http import convert
 from appliance.http.errors import bad_request, from_engine_error
 from appliance.http.middleware import cache_salt_of
@@ -26,6 +40,9 @@ from appliance.http.protocol import (
     ChatMessage,
     ChatMessageOut,
     ChoiceDelta,
+    FunctionCallOut,
+    ToolCallDelta,
+    ToolCallOut,
 )
 from appliance.http.serving import (
     SSE_DONE,
@@ -41,6 +58,7 @@ from appliance.http.serving import (
 )
 from engine.output.request_output import RequestOutput
 from engine.request_stream import RequestStream
+from engine.sampling_params import SamplingParams
 
 # chat_template_kwargs the server sets itself, or that would change what rendering returns.
 # `chat_template` is refused as well: a template sent by the client is code the server runs
@@ -81,8 +99,18 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
             msg["name"] = m.name
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         out.append(msg)
     return out
+
+
+def template_text(tok: object) -> str | None:
+    """The chat template's source (None when unknown, as for test tokenizers)."""
+    t = getattr(getattr(tok, "hf", None), "chat_template", None)
+    if isinstance(t, dict):  # named templates: any of them may handle tools
+        return "\n".join(str(v) for v in t.values())
+    return t if isinstance(t, str) else None
 
 
 def render_chat(
@@ -91,8 +119,12 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """Prompt token ids from the model's chat template; template failures are a 400."""
+    """Prompt token ids from the model's chat template; template failures are a 400.
+
+    `tools` reach the template as `tools=` when it handles them, else through the fallback
+    system prompt (appliance/dialect/tools_prompt.py)."""
     tok = state.aeng.tokenizer
     if not tok.has_chat_template():
         raise bad_request(
@@ -112,7 +144,11 @@ def render_chat(
         )
     if continue_final_message:
         kw["continue_final_message"] = True
-    dicts = messages_to_dicts(messages)
+    dicts, tools = prepare_messages(
+        messages_to_dicts(messages), tools, template_handles_tools(template_text(tok))
+    )
+    if tools:
+        kw["tools"] = tools
     try:
         return list(
             tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **kw)
@@ -121,8 +157,52 @@ def render_chat(
         raise bad_request(f"chat template failed: {e}", "messages", "invalid_messages") from None
 
 
+def dialect_of(state: AppState, req: ChatCompletionRequest) -> ChatDialect:
+    """The request's tools, tool_choice and reasoning under the server's parsers; a 400
+    naming the field when they cannot be served."""
+    kwargs = req.chat_template_kwargs or {}
+    try:
+        return chat_dialect(
+            [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            req.tool_choice
+            if isinstance(req.tool_choice, str | None)
+            else (req.tool_choice.model_dump()),
+            req.parallel_tool_calls,
+            state.server.tool_parser,
+            state.server.reasoning_parser,
+            template_text(state.aeng.tokenizer),
+            enable_thinking=kwargs.get("enable_thinking", True) is not False,
+        )
+    except DialectError as e:
+        raise bad_request(str(e), e.param) from None
+
+
+def constrain(params: SamplingParams, dialect: ChatDialect) -> None:
+    """Puts the dialect's needs on the engine request: the grammar of a forced tool call,
+    a constraint that starts after the reasoning section, special tokens kept where the
+    parser reads them (`[TOOL_CALLS]`, `<|python_tag|>`)."""
+    forced = dialect.constraint()
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise bad_request(
+                "a tool_choice that forces a call cannot be combined with another output "
+                "constraint (response_format, structured_outputs)",
+                "tool_choice",
+            )
+        params.structured_outputs = forced
+    elif params.structured_outputs is not None and dialect.reasoning_parser is not None:
+        if params.structured_outputs.start_after is None:
+            params.structured_outputs = dataclasses.replace(
+                params.structured_outputs, start_after=THINK_END
+            )
+    if dialect.tool_parser in ("mistral", "llama3"):
+        params.skip_special_tokens = False
+
+
 async def create_chat_completion(request: Request) -> Response:
     arrival, state, req, params = await begin(request, ChatCompletionRequest)
+    dialect = dialect_of(state, req)
+    constrain(params, dialect)
     prompt_ids = await state.aeng.offload_if_large(
         chat_size(req.messages),
         render_chat,
@@ -131,6 +211,7 @@ async def create_chat_completion(request: Request) -> Response:
         req.add_generation_prompt,
         req.continue_final_message,
         req.chat_template_kwargs,
+        dialect.tools,
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await submit(
@@ -144,8 +225,10 @@ async def create_chat_completion(request: Request) -> Response:
         trace=(request, "chat"),
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
     )
-    events = _stream(state, req, rid, streams) if req.stream else None
-    return await respond(request, rid, streams, events, lambda f: _response(state, req, rid, f[0]))
+    events = _stream(state, req, dialect, rid, streams) if req.stream else None
+    return await respond(
+        request, rid, streams, events, lambda f: _response(state, req, dialect, rid, f[0])
+    )
 
 
 def chat_size(messages: list[ChatMessage]) -> int:
@@ -166,8 +249,14 @@ def _num_top(req: ChatCompletionRequest) -> int:
     return req.top_logprobs or 0
 
 
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's reason; an answer that ends in tool calls finishes with `tool_calls`."""
+    reason = convert.finish_reason(reason)
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 def _response(
-    state: AppState, req: ChatCompletionRequest, rid: str, out: RequestOutput
+    state: AppState, req: ChatCompletionRequest, dialect: ChatDialect, rid: str, out: RequestOutput
 ) -> ChatCompletionResponse:
     """The non-streamed answer; logs the request as done."""
     choices = []
@@ -175,12 +264,19 @@ def _response(
         lps = None
         if req.logprobs and c.logprobs is not None:
             lps = convert.chat_logprobs(c.logprobs, _num_top(req), state.token_str)
+        parsed = parse_choice(dialect, c.text)
+        calls = [
+            ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
+            for t in parsed.tool_calls
+        ]
         choices.append(
             ChatChoice(
                 index=c.index,
-                message=ChatMessageOut(content=c.text),
+                message=ChatMessageOut(
+                    content=parsed.content, reasoning_content=parsed.reasoning, tool_calls=calls
+                ),
                 logprobs=lps,
-                finish_reason=convert.finish_reason(c.finish_reason),
+                finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                 stop_reason=c.stop_reason,
             )
         )
@@ -189,10 +285,36 @@ def _response(
     return body
 
 
+def _delta(d) -> ChoiceDelta:  # noqa: ANN001 - appliance.dialect.chat_output.ChoiceDelta
+    """A chunk's delta from a dialect piece, with only the fields that carry something."""
+    kw: dict = {}
+    if d.reasoning:
+        kw["reasoning_content"] = d.reasoning
+    if d.content:
+        kw["content"] = d.content
+    if d.tool_calls:
+        kw["tool_calls"] = [
+            ToolCallDelta(
+                index=t.index,
+                function=FunctionCallOut(name=t.name, arguments=t.arguments),
+                **({"id": t.id, "type": "function"} if t.id else {}),
+            )
+            if t.id
+            else ToolCallDelta(index=t.index, function=FunctionCallOut(arguments=t.arguments))
+            for t in d.tool_calls
+        ]
+    return ChoiceDelta(**kw)
+
+
 async def _stream(
-    state: AppState, req: ChatCompletionRequest, rid: str, streams: list[RequestStream]
+    state: AppState,
+    req: ChatCompletionRequest,
+    dialect: ChatDialect,
+    rid: str,
+    streams: list[RequestStream],
 ) -> AsyncIterator[str]:
     w = ChunkWriter(ChatCompletionChunk, rid, state.model_name, req.stream_options, streams)
+    parsers = [ChoiceStream(dialect) for _ in range(req.n)]
     try:
         yield w.chunk(
             [
@@ -210,12 +332,18 @@ async def _stream(
                 lps = None
                 if req.logprobs and c.logprobs:
                     lps = convert.chat_logprobs(c.logprobs, _num_top(req), state.token_str)
-                reason = convert.finish_reason(c.finish_reason)
-                if c.text or reason or lps:
+                p = parsers[c.index]
+                piece = p.feed(c.text) if c.text else None
+                if c.finish_reason is not None:
+                    end = p.finish()
+                    piece = _merge(piece, end) if piece else end
+                delta = _delta(piece) if piece else ChoiceDelta()
+                reason = _finish_reason(c.finish_reason, p.called)
+                if delta.model_fields_set or reason or lps:
                     choices.append(
                         ChatChunkChoice(
                             index=c.index,
-                            delta=ChoiceDelta(content=c.text) if c.text else ChoiceDelta(),
+                            delta=delta,
                             logprobs=lps,
                             finish_reason=reason,
                             **({"stop_reason": c.stop_reason} if reason else {}),
@@ -230,6 +358,13 @@ async def _stream(
     except Exception as e:
         yield sse(json.dumps(from_engine_error(e).body()))
     yield SSE_DONE
+
+
+def _merge(a, b):  # noqa: ANN001, ANN202 - two appliance.dialect ChoiceDelta
+    a.reasoning += b.reasoning
+    a.content += b.content
+    a.tool_calls += b.tool_calls
+    return a
 
 
 def _log_done(state: AppState, rid: str, req: ChatCompletionRequest, out: RequestOutput) -> None:

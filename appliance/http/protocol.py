@@ -3,10 +3,10 @@
 Request models are strict (no "5" for 5, no 1 for true) and forbid unknown fields, so a
 typo or an unsupported OpenAI parameter is a 400 naming the field rather than a silent
 no-op. A few OpenAI fields that change nothing here are declared and documented as
-accepted-and-ignored (`user`, `store`, `metadata`, `service_tier`, `parallel_tool_calls`).
-Fields we do not implement but clients commonly send (`tools`, `audio`, ...) are
-refused explicitly by `body.check_unsupported` before validation, unless their value is the
-harmless default. The same models generate /openapi.json.
+accepted-and-ignored (`user`, `store`, `metadata`, `service_tier`).
+Fields we do not implement but clients commonly send (`functions`, `audio`, ...) are
+refused explicitly by `body.check_unsupported` before validation, unless their value is
+the harmless default. The same models generate /openapi.json.
 """
 
 from __future__ import annotations
@@ -189,11 +189,51 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
 
+# ---- tools (OpenAI's function tools; read by appliance/dialect) ---------------------------
+class FunctionDef(RequestModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON Schema of the arguments.")
+    strict: bool | None = Field(
+        None,
+        description="Arguments always follow the schema with "
+        "tool_choice required or named; under auto they are parsed.",
+    )
+
+
+class ToolDef(RequestModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string.")
+
+
+class ToolCallIn(RequestModel):
+    """A call in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -205,7 +245,11 @@ class ChatCompletionRequest(SamplingFields):
     store: bool | None = Field(None, description=IGNORED)
     metadata: dict[str, str] | None = Field(None, description=IGNORED)
     service_tier: str | None = Field(None, description=IGNORED)
-    parallel_tool_calls: bool | None = Field(None, description=IGNORED)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call when tool_choice forces a call."
+    )
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -226,16 +270,38 @@ class ChatLogprobs(ResponseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCallOut(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ResponseModel):
+    """A streamed piece of a call: index, id, type and name first, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallOut
+
+
 class ChatMessageOut(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(ResponseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -248,13 +314,15 @@ class ChatCompletionResponse(CompletionEnvelope):
 class ChoiceDelta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(ResponseModel):
     index: int
     delta: ChoiceDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 

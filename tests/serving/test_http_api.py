@@ -124,7 +124,7 @@ BAD_TRANSPORT = [
     ("bad role", "/v1/chat/completions", {"json": {"messages": [{"role": "wizard", "content": "x"}]}}, 400, "messages.0.role", None),
     ("empty messages", "/v1/chat/completions", {"json": {"messages": []}}, 400, "messages", None),
     ("image part", "/v1/chat/completions", {"json": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}}, 400, "messages.0.content.0.type", "unsupported_parameter"),
-    ("tools", "/v1/chat/completions", {"json": {**CHAT, "tools": [{"type": "function"}]}}, 400, "tools", "unsupported_parameter"),
+    ("tools", "/v1/chat/completions", {"json": {**CHAT, "tools": [{"type": "function"}]}}, 400, "tools.0", "missing_required_parameter"),
     ("unknown response_format type", "/v1/chat/completions", {"json": {**CHAT, "response_format": {"type": "yaml"}}}, 400, "response_format.type", None),
     ("unknown model", "/v1/completions", {"json": {"prompt": "x", "model": "gpt-9"}}, 404, "model", "model_not_found"),
     ("bad logit_bias key", "/v1/completions", {"json": {"prompt": "x", "logit_bias": {"abc": 1}}}, 400, "logit_bias", None),

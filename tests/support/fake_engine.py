@@ -3,7 +3,9 @@
 Used where a test needs what the real engine can't give on demand: a step that raises, a
 queue that stays full (with `tests.support.waiting.StepGate` holding its steps). Each running
 request gets one token per step; token ids are letters ('a' + (prompt_len + i) % 26), so
-texts are predictable. Like LLMEngine, `step` returns per-step `RequestDelta`s.
+texts are predictable, unless `replies` holds scripted answers: each new request then takes
+the next one, one character per step, and stops after it (finish_reason "stop"). Like
+LLMEngine, `step` returns per-step `RequestDelta`s; `requests` keeps every request added.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class _Req:
     first_token: float | None = None
     num_sent: int = 0  # tokens per sample already in a delta
     first_sent: bool = False
+    script: list[int] | None = None  # a scripted answer's tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -93,6 +96,8 @@ class FakeLLMEngine:
         self.running: list[_Req] = []
         self.waiting: list[_Req] = []
         self._stats = FakeStats()
+        self.replies: list[str] = []  # scripted answers, taken in order
+        self.requests: list[_Req] = []
 
     def prepare_request(
         self, request_id, prompt, params, *, priority=0, arrival_time=None, cache_salt=None
@@ -121,6 +126,9 @@ class FakeLLMEngine:
         if len(self.waiting) >= self.config.scheduler.max_queue_len:
             raise QueueFullError("full")
         req.out = [[] for _ in range(req.params.n)]
+        if self.replies:
+            req.script = self.tokenizer.encode(self.replies.pop(0))
+        self.requests.append(req)
         self.waiting.append(req)
         self._stats.prompt_tokens_total += len(req.ids)
 
@@ -134,7 +142,8 @@ class FakeLLMEngine:
         self.waiting = [r for r in self.waiting if r.request_id not in ids]
 
     def _delta(self, r: _Req, finished: bool, error: str | None = None) -> RequestDelta:
-        reason = "error" if error else "length" if finished else None
+        stopped = r.script is not None and len(r.out[0]) >= len(r.script)
+        reason = "error" if error else ("stop" if stopped else "length") if finished else None
         outs = []
         for i, toks in enumerate(r.out):
             new = toks[r.num_sent :]
@@ -162,10 +171,15 @@ class FakeLLMEngine:
         results = []
         for r in list(self.running):
             for i, toks in enumerate(r.out):
-                toks.append(ord("a") + (len(r.ids) + len(toks) + i) % 26)
+                if r.script is not None:
+                    toks.append(r.script[len(toks)])
+                else:
+                    toks.append(ord("a") + (len(r.ids) + len(toks) + i) % 26)
             self._stats.generation_tokens_total += len(r.out)
             r.first_token = r.first_token or time.monotonic()
-            done = len(r.out[0]) >= r.max_tokens
+            done = len(r.out[0]) >= r.max_tokens or (
+                r.script is not None and len(r.out[0]) >= len(r.script)
+            )
             if done:
                 self.running.remove(r)
             results.append(self._delta(r, done))

@@ -1,0 +1,161 @@
+"""One chat request's dialect: what the template gets, what constraint the engine gets, and
+how each choice's text becomes reasoning, content and tool calls (whole or streamed).
+
+Shared by every chat frontend, so tool calls and reasoning read the same over HTTP and gRPC.
+Pipeline per choice: the reasoning splitter first (`<think>…</think>`), then the tool-call
+scanner over what is left (the answer proper).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from appliance.dialect.reasoning import THINK_END, ReasoningStream
+from appliance.dialect.tool_grammar import tool_call_constraint
+from appliance.dialect.tool_parsers import ToolCall, ToolCallStream, ToolDelta, parse_tool_calls
+from appliance.dialect.tools_prompt import parser_for_template
+from engine.sampling_params import StructuredOutputsParams
+
+
+class DialectError(ValueError):
+    """A request the dialect cannot serve: `param` names the field (a 400)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ChatDialect:
+    """What one chat request needs: tools (None: not offered), the parser that reads calls,
+    whether calls are forced (`required` or a named function), the reasoning parser."""
+
+    tools: list[dict] | None = None
+    tool_parser: str | None = None
+    forced: list[dict] | None = None  # the tools a call must be one of
+    parallel: bool = True
+    reasoning_parser: str | None = None
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools or []}
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The grammar that enforces a forced call (after the reasoning section, if any)."""
+        if not self.forced or self.tool_parser is None:
+            return None
+        start_after = THINK_END if self.reasoning_parser else None
+        return tool_call_constraint(self.forced, self.tool_parser, self.parallel, start_after)
+
+
+def chat_dialect(
+    tools: list[dict] | None,
+    tool_choice: str | dict | None,
+    parallel_tool_calls: bool | None,
+    server_tool_parser: str,
+    server_reasoning_parser: str,
+    template: str | None,
+    enable_thinking: bool = True,
+) -> ChatDialect:
+    """The dialect of a request from its fields and the server's parsers; DialectError for a
+    `tool_choice` naming no declared tool, or tools sent to a server with `tool_parser: none`."""
+    reasoning = (
+        None
+        if server_reasoning_parser == "none" or not enable_thinking
+        else (server_reasoning_parser)
+    )
+    choice = "auto" if tool_choice is None else tool_choice
+    if not tools:
+        if choice not in ("none", "auto"):
+            raise DialectError("tool_choice needs tools", "tool_choice")
+        return ChatDialect(reasoning_parser=reasoning)
+    if server_tool_parser == "none":
+        raise DialectError("tool calling is off on this server (server.tool_parser: none)", "tools")
+    parser = parser_for_template(template) if server_tool_parser == "auto" else server_tool_parser
+    if choice == "none":
+        return ChatDialect(tools=tools, reasoning_parser=reasoning)
+    forced = None
+    if choice == "required":
+        forced = tools
+    elif isinstance(choice, dict):
+        name = choice["function"]["name"]
+        forced = [t for t in tools if t["function"]["name"] == name]
+        if not forced:
+            raise DialectError(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+    return ChatDialect(
+        tools=tools,
+        tool_parser=parser,
+        forced=forced,
+        parallel=parallel_tool_calls is not False and not isinstance(choice, dict),
+        reasoning_parser=reasoning,
+    )
+
+
+@dataclass
+class ChoiceDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolDelta] = field(default_factory=list)
+
+
+@dataclass
+class ChoiceResult:
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+class ChoiceStream:
+    """One streamed choice: `feed` each text delta, `finish` at its end."""
+
+    def __init__(self, dialect: ChatDialect):
+        self.reasoning = (
+            ReasoningStream(dialect.reasoning_parser) if dialect.reasoning_parser else None
+        )
+        self.tools = ToolCallStream(dialect.tool_parser) if dialect.tool_parser else None
+
+    @property
+    def called(self) -> bool:
+        return bool(self.tools and self.tools.calls)
+
+    def _answer(self, out: ChoiceDelta, text: str, end: bool) -> ChoiceDelta:
+        if self.tools is None:
+            out.content += text
+            return out
+        d = self.tools.feed(text)
+        out.content += d.content
+        out.tool_calls += d.tool_calls
+        if end:
+            f = self.tools.finish()
+            out.content += f.content
+            out.tool_calls += f.tool_calls
+        return out
+
+    def feed(self, text: str) -> ChoiceDelta:
+        out = ChoiceDelta()
+        if self.reasoning is not None:
+            s = self.reasoning.feed(text)
+            out.reasoning, text = s.reasoning, s.content
+        return self._answer(out, text, end=False)
+
+    def finish(self) -> ChoiceDelta:
+        out = ChoiceDelta()
+        text = ""
+        if self.reasoning is not None:
+            s = self.reasoning.finish()
+            out.reasoning, text = s.reasoning, s.content
+        return self._answer(out, text, end=True)
+
+
+def parse_choice(dialect: ChatDialect, text: str) -> ChoiceResult:
+    """A whole choice: reasoning split off, then the calls (a malformed one: all content)."""
+    reasoning = None
+    if dialect.reasoning_parser is not None:
+        s = ReasoningStream(dialect.reasoning_parser)
+        a, b = s.feed(text), s.finish()
+        reasoning = (a.reasoning + b.reasoning) or None
+        text = a.content + b.content
+    if dialect.tool_parser is None:
+        return ChoiceResult(reasoning, text, [])
+    parsed = parse_tool_calls(text, dialect.tool_parser, dialect.tool_names)
+    return ChoiceResult(reasoning, parsed.content, parsed.tool_calls)

@@ -1,0 +1,202 @@
+"""Tool calls and reasoning through /v1/chat/completions with the official openai SDK, on
+the fake engine scripted to answer with chosen text: the full loop (tools -> tool_calls ->
+tool message -> answer), streamed and not, the constraint a forced call puts on the engine
+request, reasoning split from content."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+
+from appliance.config import ServerConfig
+from appliance.http.app import build_app
+from engine.async_engine import AsyncEngine
+from tests.support.fake_engine import FakeLLMEngine
+from tests.support.waiting import HANG_S
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                    "required": ["city"]}}},
+]  # fmt: skip
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def run(fn, replies: list[str], server: ServerConfig | None = None):
+    async def main():
+        fake = FakeLLMEngine()
+        fake.replies = list(replies)
+        aeng = AsyncEngine(fake)
+        app = build_app(aeng, server or ServerConfig())
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t/v1")
+        client = openai.AsyncOpenAI(
+            base_url="http://t/v1", api_key="x", http_client=http, max_retries=0
+        )
+        try:
+            return await fn(client, fake)
+        finally:
+            await http.aclose()
+            await aeng.shutdown()
+
+    return asyncio.run(asyncio.wait_for(main(), HANG_S))
+
+
+def _prompt(fake: FakeLLMEngine, i: int) -> str:
+    return fake.tokenizer.decode(fake.requests[i].ids)
+
+
+def test_full_tool_loop_non_streamed():
+    async def fn(client, fake):
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        r = await client.chat.completions.create(
+            model="fake-model", messages=msgs, tools=TOOLS, max_tokens=200
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        # the fake's template has no tools section: the tools went into the system prompt
+        assert _prompt(fake, 0).startswith("system: You can call the following tools")
+        assert '"get_weather"' in _prompt(fake, 0)
+        msgs += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "22 C"}]  # fmt: skip
+        r2 = await client.chat.completions.create(
+            model="fake-model", messages=msgs, tools=TOOLS, max_tokens=200
+        )
+        assert r2.choices[0].message.content == "It is 22 C."
+        assert r2.choices[0].finish_reason == "stop" and not r2.choices[0].message.tool_calls
+        history = _prompt(fake, 1)
+        assert (
+            'assistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            in history
+        )
+        assert "user: <tool_response>\n22 C\n</tool_response>" in history
+
+    run(fn, [CALL, "It is 22 C."])
+
+
+def test_full_tool_loop_streamed_in_openai_shape():
+    async def fn(client, fake):
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        stream = await client.chat.completions.create(
+            model="fake-model", messages=msgs, tools=TOOLS, max_tokens=200, stream=True
+        )
+        chunks = [c async for c in stream]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        calls = [t for d in deltas for t in d.tool_calls or []]
+        assert calls[0].index == 0 and calls[0].id.startswith("call_")
+        assert calls[0].type == "function" and calls[0].function.name == "get_weather"
+        assert all(t.id is None and t.function.name is None for t in calls[1:])
+        args = "".join(t.function.arguments or "" for t in calls)
+        assert json.loads(args) == {"city": "Paris"}
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert [r for r in reasons if r] == ["tool_calls"]
+        assert not any(d.content for d in deltas)
+        msgs += [
+            {"role": "assistant", "tool_calls": [{"id": calls[0].id, "type": "function",
+             "function": {"name": "get_weather", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "22 C"},
+        ]  # fmt: skip
+        stream = await client.chat.completions.create(
+            model="fake-model", messages=msgs, tools=TOOLS, max_tokens=200, stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == "It is 22 C."
+
+    run(fn, [CALL, "It is 22 C."])
+
+
+def test_malformed_call_under_auto_is_content():
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"city": }}</tool_call>'
+
+    async def fn(client, fake):
+        r = await client.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+            max_tokens=200,
+        )  # fmt: skip
+        assert r.choices[0].message.content == bad and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop"
+
+    run(fn, [bad])
+
+
+def test_forced_tool_choice_constrains_the_engine_request():
+    async def fn(client, fake):
+        msgs = [{"role": "user", "content": "x"}]
+        await client.chat.completions.create(
+            model="fake-model", messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=200
+        )
+        await client.chat.completions.create(
+            model="fake-model", messages=msgs, tools=TOOLS, max_tokens=200,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )  # fmt: skip
+        await client.chat.completions.create(
+            model="fake-model", messages=msgs, tools=TOOLS, tool_choice="auto", max_tokens=200
+        )
+        required, named, auto = (r.params.structured_outputs for r in fake.requests)
+        assert required.grammar.startswith('start: call ("\\n" call)*')
+        assert named.grammar.startswith("start: call\n")
+        assert '"const": "get_weather"' in named.grammar and auto is None
+        with_reasoning = chat_params_with_reasoning()
+        assert with_reasoning == "</think>"
+        try:
+            await client.chat.completions.create(
+                model="fake-model", messages=msgs, tools=TOOLS, max_tokens=5,
+                tool_choice={"type": "function", "function": {"name": "nope"}},
+            )  # fmt: skip
+            raise AssertionError("a 400 was expected")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "tool_choice"
+
+    run(fn, [CALL, CALL, CALL])
+
+
+def chat_params_with_reasoning() -> str | None:
+    from appliance.dialect.chat_output import chat_dialect
+
+    d = chat_dialect(TOOLS, "required", None, "hermes", "qwen3", None)
+    return d.constraint().start_after
+
+
+def test_reasoning_content_split_streamed_and_not():
+    server = ServerConfig(reasoning_parser="qwen3")
+    answer = "<think>Paris is in France.</think>\n\nParis."
+
+    async def fn(client, fake):
+        msgs = [{"role": "user", "content": "Capital?"}]
+        r = await client.chat.completions.create(model="fake-model", messages=msgs, max_tokens=99)
+        m = r.choices[0].message
+        assert (m.reasoning_content, m.content) == ("Paris is in France.", "Paris.")
+        stream = await client.chat.completions.create(
+            model="fake-model", messages=msgs, max_tokens=99, stream=True
+        )
+        deltas = [c.choices[0].delta async for c in stream if c.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        assert reasoning == "Paris is in France."
+        assert "".join(d.content or "" for d in deltas) == "Paris."
+        r = await client.chat.completions.create(
+            model="fake-model", messages=msgs, max_tokens=99,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )  # fmt: skip
+        assert r.choices[0].message.content == answer
+        assert getattr(r.choices[0].message, "reasoning_content", None) is None
+
+    run(fn, [answer, answer, answer], server)
+
+
+def test_tools_refused_when_the_server_parses_none():
+    async def fn(client, fake):
+        try:
+            await client.chat.completions.create(
+                model="fake-model", messages=[{"role": "user", "content": "x"}], tools=TOOLS
+            )
+            raise AssertionError("a 400 was expected")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "tools"
+
+    run(fn, [], ServerConfig(tool_parser="none"))

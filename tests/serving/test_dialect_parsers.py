@@ -192,3 +192,20 @@ def test_auto_parser_follows_the_template_and_fallback_renders_tools_as_text():
     assert msgs[3] == {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"}
     native, tools = prepare_messages(history, TOOLS, native=True)
     assert tools == TOOLS and native[1]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def test_a_forced_call_is_compact_json_with_no_whitespace_between_tokens(tiny_llama_dir):
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tokenizer = llguidance.hf.from_tokenizer(hf)
+    grammar = LLMatcher.grammar_from_lark(tool_call_grammar(TOOLS, "llama3", parallel=False))
+
+    def accepts(text: str) -> bool:
+        m = LLMatcher(tokenizer, grammar, log_level=0)
+        return all(m.consume_token(t) for t in hf.encode(text, add_special_tokens=False))
+
+    assert accepts('{"name":"now"')
+    assert not accepts('{ "name":"now"')  # a blank after "{" could repeat to max_tokens
+    assert not accepts('{"name": "now"')

@@ -3,7 +3,10 @@
 A llguidance Lark grammar (`StructuredOutputsParams.grammar`) in the tool parser's own
 output format, with each function's JSON schema embedded (`%json`), so the model can only
 write calls the parser reads and whose arguments validate against the schema. `name` comes
-first in each call object, so the stream sends it before the arguments.
+first in each call object, so the stream sends it before the arguments. The JSON is compact
+(no whitespace between tokens, as the engine's own JSON constraints): llguidance's `%json`
+is whitespace-flexible by default, and a sampled call could then run to max_tokens on
+blanks and newlines.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 
 from engine.sampling_params import StructuredOutputsParams
+from engine.worker.structured.compiler import JSON_OPTIONS
 
 
 def _call_schema(tools: list[dict], args_key: str) -> dict:
@@ -27,7 +31,8 @@ def _call_schema(tools: list[dict], args_key: str) -> dict:
                 "additionalProperties": False,
             }
         )
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {**schema, "x-guidance": JSON_OPTIONS}
 
 
 def tool_call_grammar(tools: list[dict], parser: str, parallel: bool = True) -> str:

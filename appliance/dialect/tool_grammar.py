@@ -38,10 +38,7 @@ def _call_schema(tools: list[dict], args_key: str) -> dict:
 def tool_call_grammar(tools: list[dict], parser: str, parallel: bool = True) -> str:
     """Lark text for one call (or, with `parallel`, one or more) of the given tools."""
     args_key = "parameters" if parser == "llama3" else "arguments"
-    # Compact JSON, as the engine generates for response_format: no blanks or newlines
-    # between tokens, so a forced call cannot run to max_tokens on whitespace.
-    call = {**_call_schema(tools, args_key), "x-guidance": {"whitespace_flexible": False}}
-    schema = json.dumps(call, ensure_ascii=False)
+    schema = json.dumps(_call_schema(tools, args_key), ensure_ascii=False)
     if parser == "hermes":
         more = ' ("\\n" call)*' if parallel else ""
         return (

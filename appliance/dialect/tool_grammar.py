@@ -27,7 +27,10 @@ def _call_schema(tools: list[dict], args_key: str) -> dict:
                 "additionalProperties": False,
             }
         )
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    # Compact JSON, as the engine's json constraint (engine/worker/structured/compiler.py):
+    # no run of blanks and newlines between tokens up to max_tokens.
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
 def tool_call_grammar(tools: list[dict], parser: str, parallel: bool = True) -> str:

@@ -8,13 +8,14 @@ scanner over what is left (the answer proper).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from appliance.dialect.reasoning import THINK_END, ReasoningStream
 from appliance.dialect.tool_grammar import tool_call_constraint
 from appliance.dialect.tool_parsers import ToolCall, ToolCallStream, ToolDelta, parse_tool_calls
 from appliance.dialect.tools_prompt import parser_for_template
-from engine.sampling_params import StructuredOutputsParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class DialectError(ValueError):
@@ -91,6 +92,34 @@ def chat_dialect(
     )
 
 
+def constrain(params: SamplingParams, dialect: ChatDialect) -> None:
+    """Puts the dialect's needs on the engine request: the grammar of a forced tool call,
+    a constraint that starts after the reasoning section, special tokens kept where the
+    parser reads them (`[TOOL_CALLS]`, `<|python_tag|>`). DialectError (`tool_choice`) when
+    a forced call meets another output constraint."""
+    forced = dialect.constraint()
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise DialectError(
+                "a tool_choice that forces a call cannot be combined with another output "
+                "constraint (response_format, structured_outputs)",
+                "tool_choice",
+            )
+        params.structured_outputs = forced
+    elif params.structured_outputs is not None and dialect.reasoning_parser is not None:
+        if params.structured_outputs.start_after is None:
+            params.structured_outputs = dataclasses.replace(
+                params.structured_outputs, start_after=THINK_END
+            )
+    if dialect.tool_parser in ("mistral", "llama3"):
+        params.skip_special_tokens = False
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """A choice that stops after its tool calls finishes with `tool_calls`."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 @dataclass
 class ChoiceDelta:
     reasoning: str = ""
@@ -145,6 +174,19 @@ class ChoiceStream:
             s = self.reasoning.finish()
             out.reasoning, text = s.reasoning, s.content
         return self._answer(out, text, end=True)
+
+    def step(self, text: str, finished: bool) -> ChoiceDelta | None:
+        """One engine delta: `feed` its text, and `finish` when it is the choice's last;
+        None when neither applies."""
+        piece = self.feed(text) if text else None
+        if finished:
+            end = self.finish()
+            if piece is None:
+                return end
+            piece.reasoning += end.reasoning
+            piece.content += end.content
+            piece.tool_calls += end.tool_calls
+        return piece
 
 
 def parse_choice(dialect: ChatDialect, text: str) -> ChoiceResult:

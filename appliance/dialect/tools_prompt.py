@@ -30,6 +30,25 @@ def template_handles_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template  # type: ignore[operator]
 
 
+def template_text(tok: object) -> str | None:
+    """The chat template's source (None when unknown, as for test tokenizers)."""
+    t = getattr(getattr(tok, "hf", None), "chat_template", None)
+    if isinstance(t, dict):  # named templates: any of them may handle tools
+        return "\n".join(str(v) for v in t.values())
+    return t if isinstance(t, str) else None
+
+
+def template_inputs(
+    messages: list[dict], tools: list[dict] | None, tok: object
+) -> tuple[list[dict], dict]:
+    """(messages, extra template kwargs) for `tok`'s chat template: `tools=` when it handles
+    them, else the fallback system prompt (`prepare_messages`)."""
+    msgs, native_tools = prepare_messages(
+        messages, tools, template_handles_tools(template_text(tok))
+    )
+    return msgs, ({"tools": native_tools} if native_tools else {})
+
+
 def _decoded_calls(calls: list[dict]) -> list[dict]:
     out = []
     for c in calls:

@@ -16,12 +16,20 @@ from typing import Any
 import grpc
 
 from appliance import structured
+from appliance.dialect.chat_output import ChatDialect, DialectError, constrain
 from appliance.grpc import errors
 from appliance.grpc.auth import cache_salt_of
 from appliance.grpc.errors import RpcError, invalid
+from appliance.grpc.native_chat import (
+    ChatParsers,
+    ChatReader,
+    as_invalid,
+    chat_size,
+    dialect_of,
+    template_call,
+)
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
-from appliance.http.protocol import CHAT_ROLES
 from appliance.telemetry import Tracing, record_request_span
 from engine.output.request_output import SampleDelta
 from engine.request_stream import RequestStream, TokenCounts
@@ -67,23 +75,6 @@ def constraint(sp: pb.SamplingParams) -> structured.Constraint | None:
     return structured.build([structured.Given(f"sampling.{kind}", engine_kind, value)])
 
 
-def _chat_messages(chat: pb.Chat) -> list[dict[str, str]]:
-    """The template's messages; roles are those the HTTP API takes (`developer` is read as
-    `system`, as there)."""
-    if not chat.messages:
-        raise invalid("chat.messages", "must not be empty")
-    for i, m in enumerate(chat.messages):
-        if m.role not in CHAT_ROLES:
-            raise invalid(
-                f"chat.messages.{i}.role",
-                f"must be one of {', '.join(CHAT_ROLES)}, got {m.role!r:.40}",
-            )
-    return [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-        for m in chat.messages
-    ]
-
-
 @dataclass
 class _Call:
     """One Generate call in flight: its stream once the engine holds the request, and
@@ -107,11 +98,13 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         model_name: str,
         tracing: Tracing | None = None,
         cache_salt_by_api_key: bool = False,
+        chat_parsers: ChatParsers | None = None,
     ):
         self._engine = async_engine
         self._model = model_name
         self._tracing = tracing
         self._salt_by_key = cache_salt_by_api_key
+        self._parsers = chat_parsers or ChatParsers()
         # In-flight Generate calls of this server, for Abort.
         self._active: dict[str, _Call] = {}
 
@@ -126,18 +119,20 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                 grpc.StatusCode.NOT_FOUND, f"model: {model!r} is not served here ({self._model!r})"
             )
 
-    async def _render_chat(self, chat: pb.Chat) -> list[int]:
-        messages = _chat_messages(chat)
-        add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        size = sum(1 + len(m["role"]) + len(m["content"]) for m in messages)  # empty ones weigh
+    async def _render_chat(self, chat: pb.Chat, dialect: ChatDialect | None = None) -> list[int]:
+        """The template's token ids; `dialect` (its tools) read from `chat` when not given."""
+        dialect = dialect or dialect_of(chat, self._parsers, self._tokenizer)
+        messages, kw = template_call(chat, dialect, self._tokenizer)
         try:
             return await self._engine.offload_if_large(
-                size, self._tokenizer.apply_chat_template, messages, add_generation_prompt=add_gen
+                chat_size(messages), self._tokenizer.apply_chat_template, messages, **kw
             )
         except ValueError as e:
             raise invalid("chat.messages", str(e).removeprefix("messages: ")) from e
 
-    async def _prompt(self, request: pb.GenerateRequest) -> tuple[str | list[int], str, str]:
+    async def _prompt(
+        self, request: pb.GenerateRequest, dialect: ChatDialect | None
+    ) -> tuple[str | list[int], str, str]:
         """(prompt, GenAI operation name, the request field that held the prompt)."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
@@ -145,7 +140,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         if kind == "token_ids":
             return list(request.token_ids.ids), "text_completion", "token_ids.ids"
         if kind == "chat":
-            return await self._render_chat(request.chat), "chat", "chat.messages"
+            return await self._render_chat(request.chat, dialect), "chat", "chat.messages"
         raise invalid("prompt", "one of text, token_ids or chat is required")
 
     def _cache_salt(self, request: pb.GenerateRequest, context: Any) -> tuple[str, ...]:
@@ -163,10 +158,13 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         rid: str | None = None
         call: _Call | None = None
         error: str | None = None
+        dialect: ChatDialect | None = None
 
         def field_of(param: str | None) -> str:
             if structured.is_engine_param(param):
                 kind = request.sampling.WhichOneof("structured_outputs")
+                if kind is None and dialect is not None and dialect.forced:
+                    return "chat.tools"  # the grammar of a forced call
                 return f"sampling.{kind}" if kind else "sampling"
             if param in _SAMPLING_FIELDS:
                 return f"sampling.{param}"
@@ -176,8 +174,16 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
 
         try:
             self._check_model(request.model)
-            prompt, operation, prompt_field = await self._prompt(request)
+            if request.WhichOneof("prompt") == "chat":
+                dialect = dialect_of(request.chat, self._parsers, self._tokenizer)
+            prompt, operation, prompt_field = await self._prompt(request, dialect)
             params = sampling_from_proto(request.sampling)
+            if dialect is not None:
+                try:
+                    constrain(params, dialect)
+                except DialectError as e:
+                    raise as_invalid(e) from None
+            reader = ChatReader(dialect) if dialect is not None else None
             salt = self._cache_salt(request, context)
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
             if rid in self._active:
@@ -192,7 +198,10 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             async for delta in stream:
                 for i, d in enumerate(delta.outputs):
                     last = delta.finished and i == len(delta.outputs) - 1
-                    yield self._response(rid, d, stream.counts() if last else None)
+                    resp = self._response(rid, d, stream.counts() if last else None)
+                    if reader is not None:
+                        reader.fill(resp, d.text, d.finish_reason)
+                    yield resp
         except RpcError as e:
             error = e.message
             await errors.abort(context, e)

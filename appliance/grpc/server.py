@@ -21,6 +21,7 @@ from appliance.grpc.auth import ApiKeyInterceptor
 from appliance.grpc.guard import GuardInterceptor
 from appliance.grpc.kserve import KServeServicer
 from appliance.grpc.native import ApplianceServicer
+from appliance.grpc.native_chat import ChatParsers
 from appliance.grpc.proto._pool import reflection_pool
 from appliance.grpc.proto.appliance.v1 import appliance_pb2, appliance_pb2_grpc
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc
@@ -56,6 +57,8 @@ class GrpcSettings:
     max_pending_calls: int = 16384
     # Salt every call's prefix-cache entries by its API key (appliance.tenancy).
     cache_salt_by_api_key: bool = False
+    # The chat dialect's parsers (server.tool_parser, server.reasoning_parser).
+    chat_parsers: ChatParsers = ChatParsers()
     # How often health re-reads the engine's state.
     health_poll_s: float = 1.0
     server_version: str = "0.1.0"
@@ -70,6 +73,7 @@ class GrpcSettings:
             max_receive_bytes=server.max_request_body,
             max_pending_calls=server.grpc_max_pending_calls,
             cache_salt_by_api_key=server.cache_salt_by_api_key,
+            chat_parsers=ChatParsers(server.tool_parser, server.reasoning_parser),
             **overrides,
         )
 
@@ -130,7 +134,10 @@ async def start_grpc_server(
     ]
     server = grpc.aio.server(interceptors=_interceptors(settings, tracing), options=options)
     appliance_pb2_grpc.add_ApplianceServicer_to_server(
-        ApplianceServicer(async_engine, model, tracing, settings.cache_salt_by_api_key), server
+        ApplianceServicer(
+            async_engine, model, tracing, settings.cache_salt_by_api_key, settings.chat_parsers
+        ),
+        server,
     )
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
         KServeServicer(

@@ -11,7 +11,6 @@ and a `tool_choice` that forces a call becomes a grammar constraint on the engin
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -24,10 +23,11 @@ from appliance.dialect.chat_output import (
     ChoiceStream,
     DialectError,
     chat_dialect,
+    constrain,
+    finish_reason,
     parse_choice,
 )
-from appliance.dialect.reasoning import THINK_END
-from appliance.dialect.tools_prompt import prepare_messages, template_handles_tools
+from appliance.dialect.tools_prompt import template_inputs, template_text
 from appliance.http import convert
 from appliance.http.errors import bad_request, from_engine_error
 from appliance.http.middleware import cache_salt_of
@@ -58,7 +58,6 @@ from appliance.http.serving import (
 )
 from engine.output.request_output import RequestOutput
 from engine.request_stream import RequestStream
-from engine.sampling_params import SamplingParams
 
 # chat_template_kwargs the server sets itself, or that would change what rendering returns.
 # `chat_template` is refused as well: a template sent by the client is code the server runs
@@ -105,14 +104,6 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def template_text(tok: object) -> str | None:
-    """The chat template's source (None when unknown, as for test tokenizers)."""
-    t = getattr(getattr(tok, "hf", None), "chat_template", None)
-    if isinstance(t, dict):  # named templates: any of them may handle tools
-        return "\n".join(str(v) for v in t.values())
-    return t if isinstance(t, str) else None
-
-
 def render_chat(
     state: AppState,
     messages: list[ChatMessage],
@@ -144,11 +135,8 @@ def render_chat(
         )
     if continue_final_message:
         kw["continue_final_message"] = True
-    dicts, tools = prepare_messages(
-        messages_to_dicts(messages), tools, template_handles_tools(template_text(tok))
-    )
-    if tools:
-        kw["tools"] = tools
+    dicts, tool_kw = template_inputs(messages_to_dicts(messages), tools, tok)
+    kw.update(tool_kw)
     try:
         return list(
             tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **kw)
@@ -177,32 +165,13 @@ def dialect_of(state: AppState, req: ChatCompletionRequest) -> ChatDialect:
         raise bad_request(str(e), e.param) from None
 
 
-def constrain(params: SamplingParams, dialect: ChatDialect) -> None:
-    """Puts the dialect's needs on the engine request: the grammar of a forced tool call,
-    a constraint that starts after the reasoning section, special tokens kept where the
-    parser reads them (`[TOOL_CALLS]`, `<|python_tag|>`)."""
-    forced = dialect.constraint()
-    if forced is not None:
-        if params.structured_outputs is not None:
-            raise bad_request(
-                "a tool_choice that forces a call cannot be combined with another output "
-                "constraint (response_format, structured_outputs)",
-                "tool_choice",
-            )
-        params.structured_outputs = forced
-    elif params.structured_outputs is not None and dialect.reasoning_parser is not None:
-        if params.structured_outputs.start_after is None:
-            params.structured_outputs = dataclasses.replace(
-                params.structured_outputs, start_after=THINK_END
-            )
-    if dialect.tool_parser in ("mistral", "llama3"):
-        params.skip_special_tokens = False
-
-
 async def create_chat_completion(request: Request) -> Response:
     arrival, state, req, params = await begin(request, ChatCompletionRequest)
     dialect = dialect_of(state, req)
-    constrain(params, dialect)
+    try:
+        constrain(params, dialect)
+    except DialectError as e:
+        raise bad_request(str(e), e.param) from None
     prompt_ids = await state.aeng.offload_if_large(
         chat_size(req.messages),
         render_chat,
@@ -251,8 +220,7 @@ def _num_top(req: ChatCompletionRequest) -> int:
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
     """OpenAI's reason; an answer that ends in tool calls finishes with `tool_calls`."""
-    reason = convert.finish_reason(reason)
-    return "tool_calls" if called and reason == "stop" else reason
+    return finish_reason(convert.finish_reason(reason), called)
 
 
 def _response(
@@ -333,10 +301,7 @@ async def _stream(
                 if req.logprobs and c.logprobs:
                     lps = convert.chat_logprobs(c.logprobs, _num_top(req), state.token_str)
                 p = parsers[c.index]
-                piece = p.feed(c.text) if c.text else None
-                if c.finish_reason is not None:
-                    end = p.finish()
-                    piece = _merge(piece, end) if piece else end
+                piece = p.step(c.text, c.finish_reason is not None)
                 delta = _delta(piece) if piece else ChoiceDelta()
                 reason = _finish_reason(c.finish_reason, p.called)
                 if delta.model_fields_set or reason or lps:
@@ -358,13 +323,6 @@ async def _stream(
     except Exception as e:
         yield sse(json.dumps(from_engine_error(e).body()))
     yield SSE_DONE
-
-
-def _merge(a, b):  # noqa: ANN001, ANN202 - two appliance.dialect ChoiceDelta
-    a.reasoning += b.reasoning
-    a.content += b.content
-    a.tool_calls += b.tool_calls
-    return a
 
 
 def _log_done(state: AppState, rid: str, req: ChatCompletionRequest, out: RequestOutput) -> None:

@@ -135,30 +135,74 @@ class ChoiceResult:
 
 
 class ChoiceStream:
-    """One streamed choice: `feed` each text delta, `finish` at its end."""
+    """One streamed choice: `feed` each text delta, `finish` at its end.
+
+    A forced call (`required`, a named function) is grammar-enforced, so its pieces are sent
+    as they come: name first, then argument fragments. Under `auto` a call may turn out
+    malformed, and a stream cannot take back what it sent; so once the answer enters a call
+    section, everything after it is held until the choice ends, then sent either as tool
+    calls (each: id and name, then its arguments) or, if any call is malformed, as content.
+    """
 
     def __init__(self, dialect: ChatDialect):
+        self.dialect = dialect
         self.reasoning = (
             ReasoningStream(dialect.reasoning_parser) if dialect.reasoning_parser else None
         )
         self.tools = ToolCallStream(dialect.tool_parser) if dialect.tool_parser else None
+        self._answer_text = ""  # the answer (after any reasoning) so far
+        self._sent_content = ""
+        self._holding = False
+        self._held_calls: list[ToolCall] = []
 
     @property
     def called(self) -> bool:
-        return bool(self.tools and self.tools.calls)
+        if self.dialect.forced:
+            return bool(self.tools and self.tools.calls)
+        return bool(self._held_calls)
 
     def _answer(self, out: ChoiceDelta, text: str, end: bool) -> ChoiceDelta:
         if self.tools is None:
             out.content += text
             return out
-        d = self.tools.feed(text)
-        out.content += d.content
-        out.tool_calls += d.tool_calls
+        self._answer_text += text
+        if self.dialect.forced:
+            d = self.tools.feed(text)
+            out.content += d.content
+            out.tool_calls += d.tool_calls
+            if end:
+                f = self.tools.finish()
+                out.content += f.content
+                out.tool_calls += f.tool_calls
+            return out
+        if not self._holding:
+            d = self.tools.feed(text)
+            if d.tool_calls or self.tools.in_calls or self.tools.calls:
+                self._holding = True  # from here on nothing is sent until the end
+            out.content += d.content
+            self._sent_content += d.content
         if end:
-            f = self.tools.finish()
-            out.content += f.content
-            out.tool_calls += f.tool_calls
+            self._release(out)
         return out
+
+    def _release(self, out: ChoiceDelta) -> None:
+        """The choice ended: send what was held, as calls if they all parse, else as text."""
+        if not self._holding:
+            f = self.tools.finish()  # type: ignore[union-attr]
+            out.content += f.content
+            return
+        parsed = parse_tool_calls(
+            self._answer_text,
+            self.dialect.tool_parser,
+            self.dialect.tool_names,  # type: ignore[arg-type]
+        )
+        content = parsed.content or ""
+        if content.startswith(self._sent_content):
+            out.content += content[len(self._sent_content) :]
+        for i, call in enumerate(parsed.tool_calls):
+            out.tool_calls.append(ToolDelta(i, call.id, call.name, ""))
+            out.tool_calls.append(ToolDelta(i, arguments=call.arguments))
+        self._held_calls = parsed.tool_calls
 
     def feed(self, text: str) -> ChoiceDelta:
         out = ChoiceDelta()

@@ -209,3 +209,43 @@ def test_a_forced_call_is_compact_json_with_no_whitespace_between_tokens(tiny_ll
     assert accepts('{"name":"now"')
     assert not accepts('{ "name":"now"')  # a blank after "{" could repeat to max_tokens
     assert not accepts('{"name": "now"')
+
+
+def _stream_all(dialect, pieces):
+    cs = ChoiceStream(dialect)
+    outs = [cs.feed(p) for p in pieces] + [cs.finish()]
+    content = "".join(o.content for o in outs)
+    calls: dict[int, list[str]] = {}
+    for o in outs:
+        for d in o.tool_calls:
+            if d.name is not None:
+                calls[d.index] = [d.name, ""]
+            calls[d.index][1] += d.arguments
+    return content, calls, cs.called
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>',  # cut JSON
+        '<tool_call>\n{"name": "nope", "arguments": {"city": "Rome"}}\n</tool_call>',  # unknown
+        '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',  # not an object
+    ],
+)
+def test_under_auto_a_streamed_malformed_call_comes_back_as_content_at_any_split(bad):
+    dialect = chat_dialect(TOOLS, "auto", None, "hermes", "none", None)
+    text = "Let me see. " + bad
+    for cut in range(1, len(text)):
+        content, calls, called = _stream_all(dialect, [text[:cut], text[cut:]])
+        assert (content, calls, called) == (text, {}, False), cut
+
+
+def test_under_auto_a_streamed_valid_call_is_sent_whole_at_the_end_name_first():
+    dialect = chat_dialect(TOOLS, "auto", None, "hermes", "none", None)
+    text = 'Let me see. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    for cut in range(1, len(text)):
+        content, calls, called = _stream_all(dialect, [text[:cut], text[cut:]])
+        assert content == "Let me see. " and called
+        assert {i: (n, json.loads(a)) for i, (n, a) in calls.items()} == {
+            0: ("get_weather", {"city": "Rome"})
+        }

@@ -12,7 +12,6 @@ from typing import Any
 
 import grpc
 import jsonschema
-import pytest
 
 from appliance.grpc.native_chat import ChatParsers
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
@@ -113,11 +112,6 @@ def test_streamed_call_pieces_carry_index_id_and_name_first_then_arguments():
     assert args == [{"city": "Paris"}, {"city": "Rome"}]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="appliance.dialect ToolCallStream, fed piece by piece, streams a malformed call's "
-    "text as argument pieces (or drops it) instead of content; HTTP streaming shares it",
-)
 def test_malformed_call_is_returned_as_content():
     bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
     (out,), _ = run_fake([_chat([USER], tools=[TOOL])], [bad])

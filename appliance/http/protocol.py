@@ -66,7 +66,10 @@ class SamplingFields(RequestModel):
     n: int = Field(1, ge=1, description="Samples per prompt (at most scheduler.max_n).")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = Field(None, description="Up to 16 stop strings.")
+    stop: str | list[str] | None = Field(
+        None,
+        description="Stop strings: at most scheduler.max_stop_strings (16), each at most scheduler.max_stop_string_chars (1024) characters.",
+    )
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -52,7 +52,7 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     if sp.HasField("max_tokens"):
         kw["max_tokens"] = sp.max_tokens or None
     kw["stop"] = list(sp.stop)
-    kw["stop_token_ids"] = list(sp.stop_token_ids)
+    kw["stop_token_ids"] = sp.stop_token_ids  # SamplingParams makes the one set
     kw["include_stop_str_in_output"] = sp.include_stop_str_in_output
     kw["ignore_eos"] = sp.ignore_eos
     kw["min_tokens"] = sp.min_tokens

@@ -65,7 +65,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingP
             repetition_penalty=req.repetition_penalty,
             seed=req.seed,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            stop_token_ids=list(req.stop_token_ids or []),
+            stop_token_ids=req.stop_token_ids or (),  # SamplingParams makes the one set
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             max_tokens=max_tokens,

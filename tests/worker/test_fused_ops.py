@@ -33,6 +33,43 @@ def test_add_rms_norm_matches_residual_add_then_rmsnorm(rows):
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 513])
+def test_bf16_ops_equal_the_torch_bf16_ops_bit_for_bit(rows):
+    """In bf16 the kernels round where transformers' bf16 ops round, so they agree exactly."""
+    gen = torch.Generator().manual_seed(rows)
+    bf = torch.bfloat16
+    x, res = torch.randn(rows, 96, generator=gen).to(bf), (torch.randn(rows, 96) * 3).to(bf)
+    norm = RMSNorm(96, eps=1e-5).to(bf)
+    norm.weight.data = (torch.rand(96, generator=gen) + 0.5).to(bf)
+    expected_sum = x + res
+    out = fused.add_rms_norm(x, res, norm.weight, norm.eps)
+    assert out.dtype == bf and torch.equal(res, expected_sum)
+    assert torch.equal(out, norm(expected_sum))
+    assert torch.equal(fused.add_rms_norm(x, None, norm.weight, norm.eps), norm(x))
+    gate_up = (torch.randn(rows, 160, generator=gen) * 8).to(bf)
+    assert torch.equal(fused.silu_and_mul(gate_up), silu_and_mul(gate_up))
+    H, Hkv, D, P = 4, 2, 32, 256
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.arange(P).float()[:, None] * inv[None]
+    cos, sin = torch.cat([emb, emb], -1).cos(), torch.cat([emb, emb], -1).sin()
+    qkv = torch.randn(rows, (H + 2 * Hkv) * D, generator=gen).to(bf)
+    positions = torch.randint(0, P, (rows,), generator=gen)
+    c, s = cos[positions][:, None].to(bf), sin[positions][:, None].to(bf)
+    q_ref = apply_rope(qkv[:, : H * D].reshape(rows, H, D), c, s)
+    k_ref = apply_rope(qkv[:, H * D : (H + Hkv) * D].reshape(rows, Hkv, D), c, s)
+    fused.rope_inplace(qkv[:, : (H + Hkv) * D], H + Hkv, D, positions, cos.to(bf), sin.to(bf))
+    assert torch.equal(qkv[:, : H * D].reshape(rows, H, D), q_ref)
+    assert torch.equal(qkv[:, H * D : (H + Hkv) * D].reshape(rows, Hkv, D), k_ref)
+
+
+def test_mixed_dtypes_are_refused():
+    w = torch.ones(8)
+    with pytest.raises(AssertionError):
+        fused.add_rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), None, w, 1e-6)
+    with pytest.raises(AssertionError):
+        fused.silu_and_mul(torch.ones(2, 8, dtype=torch.float16))
+
+
 def test_add_rms_norm_reads_a_strided_row_view():
     big = torch.randn(10, 200)
     view = big[:, 50:114]  # rows 200 apart

@@ -36,7 +36,10 @@ def _reference(q, k_ctx, v_ctx, pos, scale, window):
     return out
 
 
-def _case(seq_lens, H, Hkv, D, block, dtype=torch.float32, window=None, seed=0, spare_rows=0):
+def _case(
+    seq_lens, H, Hkv, D, block, dtype=torch.float32, window=None, seed=0, spare_rows=0,
+    q_dtype=torch.float32,
+):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     nblocks = sum(-(-s // block) for s in seq_lens) + 3
     perm = torch.randperm(nblocks, generator=gen).tolist()
@@ -53,16 +56,19 @@ def _case(seq_lens, H, Hkv, D, block, dtype=torch.float32, window=None, seed=0, 
         vs.append(cache[idx, 1, off].float())
     # q has spare rows the kernel must not touch; rows are taken in a shuffled order.
     n = len(seq_lens)
-    q = torch.randn(n + spare_rows, H, D, generator=gen)
+    q = torch.randn(n + spare_rows, H, D, generator=gen).to(q_dtype)
     rows = torch.randperm(n + spare_rows, generator=gen)[:n].long()
     reqs = torch.arange(n, dtype=torch.long)
     pos = torch.tensor([s - 1 for s in seq_lens], dtype=torch.long)
     out = torch.full_like(q, 7.0)
     native.paged_attention(q, cache, bt, rows, reqs, pos, out, 1 / math.sqrt(D), window)
     for i in range(n):
-        ref = _reference(q[rows[i]], ks[i], vs[i], seq_lens[i] - 1, 1 / math.sqrt(D), window)
-        tol = 1e-5 if dtype == torch.float32 else 2e-3
-        torch.testing.assert_close(out[rows[i]], ref, atol=tol, rtol=tol)
+        q_i = q[rows[i]].float()
+        ref = _reference(q_i, ks[i], vs[i], seq_lens[i] - 1, 1 / math.sqrt(D), window)
+        tol = 1e-5 if dtype == torch.float32 and q_dtype == torch.float32 else 2e-3
+        if q_dtype == torch.bfloat16:  # fp32 inside, one rounding of the result
+            ref, tol = ref.to(q_dtype).float(), 8e-3
+        torch.testing.assert_close(out[rows[i]].float(), ref, atol=tol, rtol=tol)
     untouched = torch.ones(n + spare_rows, dtype=torch.bool)
     untouched[rows] = False
     assert torch.all(out[untouched] == 7.0)
@@ -92,6 +98,14 @@ def test_block_sizes(block):
 
 def test_bf16_cache():
     _case([1, 15, 48], 8, 2, 64, block=16, dtype=torch.bfloat16, seed=9)
+
+
+@pytest.mark.parametrize("num_rows", [1, 40])
+def test_bf16_queries_and_output(num_rows):
+    """The bf16 model's path: q, out and the cache in bf16, fp32 inside."""
+    seq_lens = [3 + 17 * i % 90 for i in range(num_rows)]
+    _case(seq_lens, 8, 2, 64, block=16, dtype=torch.bfloat16, seed=11, spare_rows=2,
+          q_dtype=torch.bfloat16)  # fmt: skip
 
 
 def test_long_context_online_softmax_is_stable():
@@ -166,3 +180,23 @@ def test_kernel_builds_into_its_cache_dir(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=HANG_S)
     built = list(tmp_path.glob("appliance_kernels-*.so"))
     assert len(built) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_the_torch_scatter_and_skips_padding(dtype):
+    from engine.worker.attention.torch_paged import TorchPagedBackend
+
+    gen = torch.Generator().manual_seed(3)
+    T, Hkv, D, block = 70, 2, 16, 4  # 70 tokens: the parallel loop runs
+    qkv = torch.randn(T, (4 + 2 * Hkv) * D, generator=gen).to(dtype)
+    k = qkv[:, 4 * D : (4 + Hkv) * D].view(T, Hkv, D)  # strided views, as the model passes
+    v = qkv[:, (4 + Hkv) * D :].view(T, Hkv, D)
+    slots = torch.randperm(30 * block, generator=gen)[:T].long()
+    slots[::7] = -1  # padding tokens store nothing
+    expected = torch.randn(30, 2, block, Hkv, D, generator=gen).to(dtype)
+    got = expected.clone()
+    TorchPagedBackend.write_kv(k, v, expected, slots)
+    assert native.can_write_kv(k, v, got)
+    native.write_kv(k, v, got, slots)
+    assert torch.equal(got, expected)
+    assert not native.can_write_kv(k.float() if dtype != torch.float32 else k.bfloat16(), v, got)

@@ -147,13 +147,16 @@ class TorchPagedBackend(AttentionBackend):
         metadata: AttentionMetadata,
         layer: AttentionLayerSpec,
     ) -> torch.Tensor:  # [T, H, D]
-        self.write_kv(k, v, kv_cache, metadata.slot_mapping)
+        if self.native and native.can_write_kv(k, v, kv_cache):
+            native.write_kv(k, v, kv_cache, metadata.slot_mapping)
+        else:
+            self.write_kv(k, v, kv_cache, metadata.slot_mapping)
         if layer.logits_soft_cap is not None:
             return self._forward_padded(q, kv_cache, metadata, layer)
         plan = self._get_plan(metadata)
         num_tokens, H, D = metadata.num_tokens, layer.num_heads, layer.head_dim
         if self.native and native.supports(q, kv_cache, H, layer.num_kv_heads):
-            return self._attend_native(q, kv_cache, metadata, layer, plan)
+            return self._attend_native(q, k, v, kv_cache, metadata, layer, plan)
         if plan.token_req is None:  # decode only
             result = self._attend_decode(q[:num_tokens], kv_cache, metadata, layer, None)
         else:
@@ -169,7 +172,7 @@ class TorchPagedBackend(AttentionBackend):
             result = torch.cat([result, result.new_zeros(q.shape[0] - num_tokens, H, D)])
         return result
 
-    def _attend_native(self, q, kv_cache, md: AttentionMetadata, layer, plan: _StepPlan):
+    def _attend_native(self, q, k, v, kv_cache, md: AttentionMetadata, layer, plan: _StepPlan):
         """Decode rows in one kernel call reading the cache in place; prefill chunks by SDPA.
 
         The kernel handles one query row at a time, which is right for decode (memory-bound)
@@ -193,7 +196,8 @@ class TorchPagedBackend(AttentionBackend):
             )  # fmt: skip
         if plan.token_req is not None:
             for r, start, end in _split_plan(plan, md).prefills:
-                out[start:end] = self._attend_chunk(q[start:end], kv_cache, md, layer, r)
+                kv = (k[start:end], v[start:end])
+                out[start:end] = self._attend_chunk(q[start:end], kv_cache, md, layer, r, kv)
         return out
 
     @staticmethod
@@ -230,14 +234,22 @@ class TorchPagedBackend(AttentionBackend):
         )
         return out.squeeze(2).to(q.dtype)  # [R, H, D]
 
-    def _attend_chunk(self, q, kv_cache, md: AttentionMetadata, layer, r: int):
-        """A prefill chunk of one request: causal within the chunk, earlier context visible."""
+    def _attend_chunk(self, q, kv_cache, md: AttentionMetadata, layer, r: int, chunk_kv=None):
+        """A prefill chunk of one request: causal within the chunk, earlier context visible.
+
+        `chunk_kv` is the chunk's own (k, v) [n, Hkv, D]: when the chunk is the request's
+        whole context (a prompt's first chunk, no cached prefix) they are exactly what the
+        cache now holds for it, so they are used as they are instead of gathered back."""
         block_size = kv_cache.shape[2]
         seq_len = md.seq_lens_cpu[r]
         n = q.shape[0]
-        nb = -(-seq_len // block_size)
-        keys, values = self._gather(kv_cache, md.block_tables[r, :nb].long(), 1, nb * block_size)
-        keys, values = keys[:, :, :seq_len], values[:, :, :seq_len]
+        if chunk_kv is not None and seq_len == n:
+            keys, values = (t.to(kv_cache.dtype).transpose(0, 1).unsqueeze(0) for t in chunk_kv)
+        else:
+            nb = -(-seq_len // block_size)
+            tables = md.block_tables[r, :nb].long()
+            keys, values = self._gather(kv_cache, tables, 1, nb * block_size)
+            keys, values = keys[:, :, :seq_len], values[:, :, :seq_len]
         qh = q.transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, H, n, D]
         gqa = layer.num_heads != layer.num_kv_heads
         if seq_len == n and layer.sliding_window is None:

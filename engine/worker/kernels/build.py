@@ -30,7 +30,7 @@ import torch  # noqa: F401 - loads torch's libgomp before ours is resolved
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention.c", "fused_ops.c")
+SOURCES = ("paged_attention.c", "fused_ops.c", "cache_write.c")
 FLAGS = [
     "-O3",
     "-march=native",
@@ -43,11 +43,13 @@ FLAGS = [
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {  # name -> argtypes; every function returns int or nothing
-    "paged_attention": [_ptr, _i64, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32, _i32,
-                        _i32, _i32, _i32, _f32, _ptr, _i64, _i32],
-    "fused_add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i64, _i32, _i32],
-    "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i32, _i32],
-    "rope_inplace": [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i64, _i32],
+    "paged_attention": [_ptr, _i64, _i32, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i32,
+                        _i32, _i32, _i32, _i32, _f32, _ptr, _i64, _i32],
+    "fused_add_rms_norm": [_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i64, _i32, _i32,
+                           _i32],
+    "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i32, _i32, _i32],
+    "rope_inplace": [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i64, _i32, _i32],
+    "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
 }  # fmt: skip
 
 _lock = threading.Lock()

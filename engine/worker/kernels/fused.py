@@ -1,8 +1,10 @@
 """Fused decoder-layer elementwise ops (csrc/fused_ops.c) from torch tensors.
 
-`usable(*tensors)` says whether the fused path applies (CPU, fp32, the library loaded);
-the model falls back to its plain torch ops when it does not. Each wrapper takes 2-D row
-views and honours their row stride, so slices of a larger tensor need no copy.
+`usable(*tensors)` says whether the fused path applies (CPU, fp32 or bf16, the library
+loaded); the model falls back to its plain torch ops when it does not. Each wrapper takes
+2-D row views and honours their row stride, so slices of a larger tensor need no copy. The
+output has the input's dtype; in bf16 every tensor argument must be bf16 (the kernels widen
+to fp32 inside and round where transformers' bf16 forward rounds).
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import torch
 
 from engine.worker.kernels.build import library
 
+DTYPES = (torch.float32, torch.bfloat16)
+
 
 def usable(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and (
+    return all(t.device.type == "cpu" and t.dtype in DTYPES for t in tensors) and (
         library() is not None
     )
 
@@ -22,6 +26,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     """t as [rows, n] with unit stride along n (a copy only if it has no such view)."""
     t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _bf16(*tensors: torch.Tensor) -> int:
+    """1 when the tensors are bf16, 0 when fp32; mixing the two is a caller bug."""
+    dtype = tensors[0].dtype
+    assert all(t.dtype == dtype for t in tensors), "fused ops take one dtype throughout"
+    assert dtype in DTYPES, f"fused ops run fp32 or bf16, not {dtype}"
+    return int(dtype == torch.bfloat16)
 
 
 def add_rms_norm(
@@ -33,14 +45,15 @@ def add_rms_norm(
     lib = library()
     x2 = _rows(x)
     T, n = x2.shape
-    out = torch.empty(T, n)
+    w = weight.contiguous()
+    bf16 = _bf16(x2, w) if residual is None else _bf16(x2, w, residual)
+    out = torch.empty(T, n, dtype=x2.dtype)
     if residual is not None:
         assert residual.shape == x2.shape and residual.stride(-1) == 1 and residual.is_contiguous()
-    w = weight.contiguous()
     lib.fused_add_rms_norm(
         x2.data_ptr(), x2.stride(0), residual.data_ptr() if residual is not None else None,
         n if residual is not None else 0, w.data_ptr(), float(eps), out.data_ptr(), n, T, n,
-        torch.get_num_threads(),
+        torch.get_num_threads(), bf16,
     )  # fmt: skip
     return out
 
@@ -50,9 +63,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     lib = library()
     g = _rows(gate_up)
     T, n2 = g.shape
-    out = torch.empty(T, n2 // 2)
+    out = torch.empty(T, n2 // 2, dtype=g.dtype)
     lib.silu_and_mul(g.data_ptr(), g.stride(0), out.data_ptr(), n2 // 2, T, n2 // 2,
-                     torch.get_num_threads())  # fmt: skip
+                     torch.get_num_threads(), _bf16(g))  # fmt: skip
     return out
 
 
@@ -61,8 +74,8 @@ def rope_inplace(
     heads: int,
     head_dim: int,
     positions: torch.Tensor,  # [T] int64
-    cos_table: torch.Tensor,  # [P, D] fp32
-    sin_table: torch.Tensor,  # [P, D] fp32
+    cos_table: torch.Tensor,  # [P, D], x's dtype
+    sin_table: torch.Tensor,  # [P, D], x's dtype
 ) -> None:
     """Rotate `heads` heads of every row of x in place (transformers' rotate-half form)."""
     lib = library()
@@ -76,4 +89,4 @@ def rope_inplace(
     assert cos_table.shape[1] == head_dim
     lib.rope_inplace(x.data_ptr(), x.stride(0), heads, head_dim, pos.data_ptr(),
                      cos_table.data_ptr(), sin_table.data_ptr(), x.shape[0],
-                     torch.get_num_threads())  # fmt: skip
+                     torch.get_num_threads(), _bf16(x, cos_table, sin_table))  # fmt: skip

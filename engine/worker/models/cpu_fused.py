@@ -4,8 +4,9 @@ Same math as `LlamaForCausalLM.forward` and its layers, restructured the way fus
 want it: the residual stream is carried separately and updated in place by the RMSNorm that
 follows each sublayer (`x + sublayer(norm(x))` becomes `residual += out; norm(residual)`),
 rotary embedding rotates q and k inside the fused qkv output in place, and SiLU-and-mul is
-one pass. Linear layers and attention are the model's own modules. Used only for fp32 on the
-CPU with the kernel library loaded (`LlamaForCausalLM.enable_cpu_kernels`).
+one pass. Linear layers and attention are the model's own modules. Used for fp32 and bf16 on
+the CPU with the kernel library loaded (`LlamaForCausalLM.enable_cpu_kernels`); in bf16 the
+residual stream and every activation stay bf16 between ops, as in transformers.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def _attention(attn, x, positions, rot, kv_cache, ctx):
     qkv = attn.qkv_proj(x)  # [T, (H + 2 Hkv) D]
     qs, kvs = attn.q_size, attn.kv_size
     if attn.q_norm is None:
-        fused.rope_inplace(qkv[:, : qs + kvs], H + Hkv, D, positions, rot.cos_cache, rot.sin_cache)
+        cos, sin = rot.tables(qkv.dtype)
+        fused.rope_inplace(qkv[:, : qs + kvs], H + Hkv, D, positions, cos, sin)
         q, k, v = qkv.split([qs, kvs, kvs], dim=-1)
         q, k = q.view(-1, H, D), k.view(-1, Hkv, D)
     else:  # per-head q/k norms come before the rotation: the plain torch ops

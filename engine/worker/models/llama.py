@@ -23,7 +23,13 @@ from torch import nn
 from engine.worker.attention.base import AttentionLayerSpec, ForwardContext
 from engine.worker.kernels import fused
 from engine.worker.models import cpu_fused
-from engine.worker.models.cpu_linear import SMALL_ROWS, pack_linears, pack_weight, packed_linear
+from engine.worker.models.cpu_linear import (
+    PACKED_DTYPES,
+    pack_linears,
+    pack_weight,
+    packed_linear,
+    small_rows,
+)
 from engine.worker.models.layers import FusedLinear, RMSNorm, silu_and_mul
 from engine.worker.models.rope import RotaryEmbedding, apply_rope
 
@@ -189,15 +195,21 @@ class LlamaForCausalLM(nn.Module):
         self._cpu_fused = False  # forward through models/cpu_fused.py
 
     def enable_cpu_kernels(self) -> str:
-        """fp32 on the CPU: oneDNN-packed linears (models/cpu_linear.py), and the fused
-        elementwise kernels (models/cpu_fused.py) when they build. Returns what was done."""
+        """fp32 or bf16 on the CPU: oneDNN-packed linears (models/cpu_linear.py), and the
+        fused elementwise kernels (models/cpu_fused.py) when they build. Returns what was
+        done."""
         count = pack_linears(self)
         emb = self.model.embed_tokens.weight
-        if self.lm_head is None and count and emb.dtype == torch.float32:
+        if self.lm_head is None and count and emb.dtype in PACKED_DTYPES:
             self._packed_embedding = pack_weight(emb)
             count += 1
         self._cpu_fused = fused.usable(emb)
-        return f"{count} linear weights packed, fused elementwise kernels {self._cpu_fused}"
+        if self._cpu_fused:
+            self.model.rotary_emb.tables(emb.dtype)  # converted once, before any capture
+        return (
+            f"{count} {str(emb.dtype).removeprefix('torch.')} linear weights packed, "
+            f"fused elementwise kernels {self._cpu_fused}"
+        )
 
     def forward(
         self,
@@ -217,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] float32 (matmul in the model dtype, like HF)."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self._packed_embedding is not None and hidden.shape[0] >= SMALL_ROWS:
+        if self._packed_embedding is not None and hidden.shape[0] >= small_rows(hidden.dtype):
             return packed_linear(hidden, self._packed_embedding, None, self.vocab_size).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 

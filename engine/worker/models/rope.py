@@ -100,6 +100,18 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos_cache = emb.cos()
         self.sin_cache = emb.sin()
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole (cos, sin) tables in `dtype`, converted once (the fused kernel reads them
+        in the activations' dtype, as transformers casts cos/sin to it)."""
+        if dtype == self.cos_cache.dtype:
+            return self.cos_cache, self.sin_cache
+        cached = getattr(self, "_tables", {}).get(dtype)
+        if cached is None or cached[0].device != self.cos_cache.device:
+            cached = (self.cos_cache.to(dtype), self.sin_cache.to(dtype))
+            self._tables = {**getattr(self, "_tables", {}), dtype: cached}
+        return cached
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -1,58 +1,112 @@
-/* Fused elementwise ops of a decoder layer, for the CPU path.
+/* Fused elementwise ops of a decoder layer, for the CPU path, in fp32 or bf16.
  *
  * In eager torch each of these is 4-8 separate ops (RMSNorm: add, pow, mean, add, rsqrt,
  * mul, mul; rotary: mul, slice, neg, cat, mul, add; SiLU-and-mul: chunk, silu, mul), every
  * one a full pass over memory plus a Python dispatch. A decode step of a small model runs
  * hundreds of them, so fusing them is worth as much as a faster GEMM. Each function here is
  * one pass, parallel over rows with OpenMP (torch's runtime, thread count from the caller).
- * Arithmetic follows transformers' order: statistics and products in fp32.
+ *
+ * Arithmetic follows transformers' order: statistics and products in fp32. With `bf16` set
+ * every tensor argument is bf16 (weights, tables and the row data); values are widened to
+ * fp32 on load and rounded back where transformers' bf16 forward rounds (bf16.h), so the
+ * bf16 path reads and writes half the bytes and still tracks transformers in bf16.
  */
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
 #include "vec_math.h"
 
-/* x [rows, n] (row stride xs) optionally plus residual [rows, n] (stride rs, updated in
- * place to x + residual), then out = weight * (h / sqrt(mean(h^2) + eps)) with h the sum. */
-void fused_add_rms_norm(const float *x, int64_t xs, float *residual, int64_t rs,
-                        const float *weight, float eps, float *out, int64_t os, int64_t rows,
-                        int n, int num_threads) {
+static inline __attribute__((always_inline)) void
+add_rms_norm_rows(const void *x, int64_t xs, void *residual, int64_t rs, const void *weight,
+                  float eps, void *out, int64_t os, int64_t rows, int n, int num_threads,
+                  const int bf16) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * xs;
-        float *o = out + r * os;
-        const float *h = xr;
-        if (residual) {
-            float *res = residual + r * rs;
-#pragma omp simd
-            for (int i = 0; i < n; i++) res[i] = xr[i] + res[i];
-            h = res;
-        }
+        const int64_t xo = r * xs, ro = r * rs, oo = r * os;
         float ss = 0.0f;
+        if (residual) { /* h = x + residual (a bf16 add rounds), stored back as the stream */
 #pragma omp simd reduction(+ : ss)
-        for (int i = 0; i < n; i++) ss += h[i] * h[i];
+            for (int i = 0; i < n; i++) {
+                const float h = rnd(ld(x, xo + i, bf16) + ld(residual, ro + i, bf16), bf16);
+                st(residual, ro + i, h, bf16);
+                ss += h * h;
+            }
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int i = 0; i < n; i++) {
+                const float h = ld(x, xo + i, bf16);
+                ss += h * h;
+            }
+        }
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        const void *h = residual ? (const void *)((const char *)residual + ro * (bf16 ? 2 : 4))
+                                 : (const void *)((const char *)x + xo * (bf16 ? 2 : 4));
 #pragma omp simd
-        for (int i = 0; i < n; i++) o[i] = weight[i] * (h[i] * inv);
+        for (int i = 0; i < n; i++) /* transformers: weight * (h * inv).to(dtype) */
+            st(out, oo + i, ld(weight, i, bf16) * rnd(ld(h, i, bf16) * inv, bf16), bf16);
     }
 }
 
-/* gate_up [rows, 2 * n] (gate columns then up columns) -> out [rows, n] = silu(gate) * up. */
-void silu_and_mul(const float *gate_up, int64_t gs, float *out, int64_t os, int64_t rows,
-                  int n, int num_threads) {
+/* x [rows, n] (row stride xs) optionally plus residual [rows, n] (stride rs, updated in
+ * place to x + residual), then out = weight * (h / sqrt(mean(h^2) + eps)) with h the sum. */
+void fused_add_rms_norm(const void *x, int64_t xs, void *residual, int64_t rs,
+                        const void *weight, float eps, void *out, int64_t os, int64_t rows,
+                        int n, int num_threads, int bf16) {
+    if (bf16)
+        add_rms_norm_rows(x, xs, residual, rs, weight, eps, out, os, rows, n, num_threads, 1);
+    else
+        add_rms_norm_rows(x, xs, residual, rs, weight, eps, out, os, rows, n, num_threads, 0);
+}
+
+static inline __attribute__((always_inline)) void
+silu_mul_rows(const void *gate_up, int64_t gs, void *out, int64_t os, int64_t rows, int n,
+              int num_threads, const int bf16) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
     for (int64_t r = 0; r < rows; r++) {
-        const float *restrict g = gate_up + r * gs;
-        const float *restrict u = g + n;
-        float *restrict o = out + r * os;
+        const int64_t g0 = r * gs, u0 = g0 + n, o0 = r * os;
 #pragma omp simd
         for (int i = 0; i < n; i++) {
             /* sigmoid from e = exp(-|g|) <= 1, so exp never overflows and no lane divides
              * by a huge number (GCC evaluates both sides of a clamp; a denormal quotient
              * there cost 10x through microcode assists) */
-            const float gi = g[i], e = vexpf(gi < 0.0f ? gi : -gi);
+            const float gi = ld(gate_up, g0 + i, bf16), e = vexpf(gi < 0.0f ? gi : -gi);
             const float sig = (gi < 0.0f ? e : 1.0f) / (1.0f + e);
-            o[i] = gi * sig * u[i];
+            /* transformers: silu(gate) is one bf16 op, then a bf16 multiply */
+            st(out, o0 + i, rnd(gi * sig, bf16) * ld(gate_up, u0 + i, bf16), bf16);
+        }
+    }
+}
+
+/* gate_up [rows, 2 * n] (gate columns then up columns) -> out [rows, n] = silu(gate) * up. */
+void silu_and_mul(const void *gate_up, int64_t gs, void *out, int64_t os, int64_t rows, int n,
+                  int num_threads, int bf16) {
+    if (bf16)
+        silu_mul_rows(gate_up, gs, out, os, rows, n, num_threads, 1);
+    else
+        silu_mul_rows(gate_up, gs, out, os, rows, n, num_threads, 0);
+}
+
+static inline __attribute__((always_inline)) void
+rope_rows(void *x, int64_t xs, int heads, int D, const int64_t *positions,
+          const void *cos_table, const void *sin_table, int64_t rows, int num_threads,
+          const int bf16) {
+    const int half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = positions[r] * D;
+        for (int h = 0; h < heads; h++) {
+            const int64_t v = r * xs + (int64_t)h * D;
+#pragma omp simd
+            for (int d = 0; d < half; d++) {
+                const float a = ld(x, v + d, bf16), b = ld(x, v + d + half, bf16);
+                const float c0 = ld(cos_table, t + d, bf16), s0 = ld(sin_table, t + d, bf16);
+                const float c1 = ld(cos_table, t + d + half, bf16);
+                const float s1 = ld(sin_table, t + d + half, bf16);
+                /* transformers: x * cos + rotate_half(x) * sin, three bf16 ops */
+                st(x, v + d, rnd(a * c0, bf16) - rnd(b * s0, bf16), bf16);
+                st(x, v + d + half, rnd(b * c1, bf16) + rnd(a * s1, bf16), bf16);
+            }
         }
     }
 }
@@ -60,22 +114,14 @@ void silu_and_mul(const float *gate_up, int64_t gs, float *out, int64_t os, int6
 /* Rotary embedding in place on `heads` heads of D values starting at x (row stride xs):
  * with half = D / 2, c = cos[pos], s = sin[pos] (tables [P, D], the two halves equal),
  *   x[d]        <- x[d] * c[d] - x[d + half] * s[d]
- *   x[d + half] <- x[d + half] * c[d + half] + x[d] * s[d + half]        (d < half) */
-void rope_inplace(float *x, int64_t xs, int heads, int D, const int64_t *positions,
-                  const float *cos_table, const float *sin_table, int64_t rows,
-                  int num_threads) {
-    const int half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos_table + positions[r] * D, *s = sin_table + positions[r] * D;
-        for (int h = 0; h < heads; h++) {
-            float *v = x + r * xs + (int64_t)h * D;
-#pragma omp simd
-            for (int d = 0; d < half; d++) {
-                const float a = v[d], b = v[d + half];
-                v[d] = a * c[d] - b * s[d];
-                v[d + half] = b * c[d + half] + a * s[d + half];
-            }
-        }
-    }
+ *   x[d + half] <- x[d + half] * c[d + half] + x[d] * s[d + half]        (d < half)
+ * With bf16 set, x and both tables are bf16 (the tables rounded once, as transformers
+ * casts cos/sin to the activations' dtype). */
+void rope_inplace(void *x, int64_t xs, int heads, int D, const int64_t *positions,
+                  const void *cos_table, const void *sin_table, int64_t rows, int num_threads,
+                  int bf16) {
+    if (bf16)
+        rope_rows(x, xs, heads, D, positions, cos_table, sin_table, rows, num_threads, 1);
+    else
+        rope_rows(x, xs, heads, D, positions, cos_table, sin_table, rows, num_threads, 0);
 }

@@ -16,7 +16,8 @@
  * every head, reading whole cache rows; with few, heads are split across threads.
  *
  * Layout (engine/worker/attention/base.py): cache [num_blocks, 2, block_size, Hkv, D], K = 0, V = 1,
- * fp32 or bf16; q and out are fp32 [*, H, D] with the given row strides. The library is
+ * fp32 or bf16; q and out are [*, H, D] with the given row strides, both fp32 or both bf16
+ * (the bf16 model's activations). Scores, softmax and the accumulator are fp32 either way. The library is
  * loaded after torch, so it shares torch's OpenMP runtime; the caller passes the thread count.
  */
 #include <math.h>
@@ -24,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vec_math.h"
 
 #define MAX_HEADS 64    /* query heads one task holds state for (the caller checks) */
@@ -32,13 +34,13 @@
 #define MAX_ACC 16384   /* query heads x head dim of one task */
 
 typedef struct {
-    const float *q; int64_t q_row_stride;
+    const void *q; int64_t q_row_stride; int q_bf16; /* q and out share a dtype */
     const void *cache; int is_bf16;
     const int32_t *block_tables; int64_t bt_stride;
     const int64_t *q_rows, *reqs, *pos;
     int H, Hkv, D, block_size, window;
     float scale;
-    float *out; int64_t out_row_stride;
+    void *out; int64_t out_row_stride;
 } args_t;
 
 static inline __attribute__((always_inline)) float dot(const float *restrict a,
@@ -71,13 +73,22 @@ attend(const args_t *a, int64_t i, int h0, int h1, const int D) {
     const int64_t p = a->pos[i];
     const int64_t first = (a->window > 0 && p - a->window + 1 > 0) ? p - a->window + 1 : 0;
     const int32_t *table = a->block_tables + a->reqs[i] * a->bt_stride;
-    const float *qi = a->q + a->q_rows[i] * a->q_row_stride + (int64_t)h0 * G * D;
-    float *oi = a->out + a->q_rows[i] * a->out_row_stride + (int64_t)h0 * G * D;
+    const int64_t q0 = a->q_rows[i] * a->q_row_stride + (int64_t)h0 * G * D;
+    const int64_t o0 = a->q_rows[i] * a->out_row_stride + (int64_t)h0 * G * D;
 
     /* per query head j of the range: running max m, sum l, accumulator acc[j*D..] */
     float m[MAX_HEADS], l[MAX_HEADS], s[MAX_HEADS * MAX_BLOCK];
     float acc[MAX_ACC] __attribute__((aligned(64)));
     float tmp[MAX_D] __attribute__((aligned(64)));
+    float qbuf[MAX_ACC] __attribute__((aligned(64))); /* this range's queries in fp32 */
+    const float *qi = qbuf;
+    if (a->q_bf16) {
+        const uint16_t *src = (const uint16_t *)a->q + q0;
+#pragma omp simd
+        for (int d = 0; d < nh * D; d++) qbuf[d] = bf16_to_f32(src[d]);
+    } else {
+        qi = (const float *)a->q + q0;
+    }
     for (int j = 0; j < nh; j++) m[j] = -INFINITY, l[j] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)nh * D);
     for (int64_t b = first / bs; b <= p / bs; b++) {
@@ -130,10 +141,15 @@ attend(const args_t *a, int64_t i, int h0, int h1, const int D) {
     }
     for (int j = 0; j < nh; j++) {
         const float inv = 1.0f / l[j];
-        float *o = oi + (int64_t)j * D;
         const float *aj = acc + (int64_t)j * D;
+        const int64_t o = o0 + (int64_t)j * D;
+        if (a->q_bf16) {
 #pragma omp simd
-        for (int d = 0; d < D; d++) o[d] = aj[d] * inv;
+            for (int d = 0; d < D; d++) st(a->out, o + d, aj[d] * inv, 1);
+        } else {
+#pragma omp simd
+            for (int d = 0; d < D; d++) st(a->out, o + d, aj[d] * inv, 0);
+        }
     }
 }
 
@@ -147,16 +163,17 @@ static void attend_any(const args_t *a, int64_t i, int h0, int h1) {
 }
 
 /* Returns 0, or -1 for shapes past the stack buffers (the caller checks them first). */
-int paged_attention(const float *q, int64_t q_row_stride, const void *cache, int is_bf16,
-                    const int32_t *block_tables, int64_t bt_stride, const int64_t *q_rows,
+int paged_attention(const void *q, int64_t q_row_stride, int q_bf16, const void *cache,
+                    int is_bf16, const int32_t *block_tables, int64_t bt_stride,
+                    const int64_t *q_rows,
                     const int64_t *reqs, const int64_t *pos, int64_t num_items, int H,
-                    int Hkv, int D, int block_size, int window, float scale, float *out,
+                    int Hkv, int D, int block_size, int window, float scale, void *out,
                     int64_t out_row_stride, int num_threads) {
     const int G = H % Hkv ? 0 : H / Hkv;
     if (!G || G > MAX_HEADS || G * D > MAX_ACC || block_size > MAX_BLOCK || D > MAX_D)
         return -1;
-    const args_t a = {q, q_row_stride, cache, is_bf16, block_tables, bt_stride, q_rows, reqs,
-                      pos, H, Hkv, D, block_size, window, scale, out, out_row_stride};
+    const args_t a = {q, q_row_stride, q_bf16, cache, is_bf16, block_tables, bt_stride,
+                      q_rows, reqs, pos, H, Hkv, D, block_size, window, scale, out, out_row_stride};
     /* Whole items when there are enough to share out and their state fits one task;
      * else one task per (item, KV head). */
     const int per_head = num_items < 4 * (int64_t)num_threads || H > MAX_HEADS || H * D > MAX_ACC;

@@ -46,6 +46,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# CPU flags that matter for fp32/bf16 matmuls (oneDNN picks its kernels by them).
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+             "amx_bf16", "amx_int8")  # fmt: skip
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "host": platform.node(),
@@ -65,9 +70,13 @@ def machine_info() -> dict[str, Any]:
         pass
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
-        info["avx512"] = " avx512f" in flags
-        info["amx"] = " amx_tile" in flags
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+        info["avx512"] = "avx512f" in flags
+        info["avx512_bf16"] = "avx512_bf16" in flags
+        info["amx"] = "amx_tile" in flags
+        info["amx_bf16"] = "amx_bf16" in flags
+        # The flags that decide how fast fp32/bf16 GEMMs can go, in one readable string.
+        info["isa"] = " ".join(f for f in ISA_FLAGS if f in flags) or "none"
     except OSError:
         pass
     return info

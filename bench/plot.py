@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import plot_serving_vs  # noqa: E402
-from bench.common import RESULTS_DIR, log, read_jsonl  # noqa: E402
+from bench.common import RESULTS_DIR, isa_line, log, machines_line, read_jsonl  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -57,14 +57,6 @@ def dtype_of(rec: dict[str, Any]) -> str:
     return rec.get("dtype", "float32")
 
 
-def isa_line(m: dict[str, Any]) -> str:
-    """The machine's CPU and its matmul-relevant flags, for titles and tables."""
-    isa = m.get("isa")
-    if isa is None:  # records before the ISA summary
-        isa = f"avx512 {m.get('avx512')}, amx {m.get('amx')}"
-    return f"{m.get('cores', '?')}-core {m.get('cpu', '?')} [{isa}]"
-
-
 def plot_throughput(recs: list[dict[str, Any]], out: Path) -> bool:
     import matplotlib
 
@@ -80,9 +72,8 @@ def plot_throughput(recs: list[dict[str, Any]], out: Path) -> bool:
     for ax in axes.flat:
         ax.set_visible(False)
     for rec in recs:
-        ax = axes[rows.index((rec["model"], rec["workload"]["workload"]))][
-            cols.index(dtype_of(rec))
-        ]
+        row = rows.index((rec["model"], rec["workload"]["workload"]))
+        ax = axes[row][cols.index(dtype_of(rec))]
         ax.set_visible(True)
         engines = [e for e in ENGINE_ORDER if e in rec["engines"]]
         vals = [rec["engines"][e].get("tok_s") or 0 for e in engines]
@@ -108,8 +99,10 @@ def plot_throughput(recs: list[dict[str, Any]], out: Path) -> bool:
         tops = vals + [max(rec["engines"][e].get("tok_s_all") or [0]) for e in engines]
         ax.set_ylim(0, max(tops + [1]) * 1.3)
         ax.legend(loc="upper right", fontsize=7)
-    m = recs[0].get("machine", {})
-    fig.suptitle(f"Offline throughput, {isa_line(m)}\n"
+    m = max(recs, key=lambda r: r["date"]).get("machine", {})
+    differ = len({isa_line(r.get("machine", {})) for r in recs}) > 1
+    fig.suptitle(f"Offline throughput, {isa_line(m)}"
+                 f"{' (latest; machines differ, see summary.md)' if differ else ''}\n"
                  f"{recs[0]['settings'].get('threads')} threads, median of "
                  f"{recs[0]['settings'].get('repeats')} runs", fontsize=10)  # fmt: skip
     fig.tight_layout()
@@ -203,12 +196,9 @@ def throughput_md(tp: list[dict[str, Any]]) -> list[str]:
     """Markdown: tok/s per engine and dtype, ours/peer ratios, bf16 / fp32, our split."""
     if not tp:
         return []
-    m = tp[0].get("machine", {})
     lines = [
-        f"Machine: {m.get('cpu')}, {m.get('cores')} cores, {m.get('mem_gib')} GiB, "
-        f"flags: {m.get('isa', 'not recorded')} (AMX: {'yes' if m.get('amx') else 'no'}); "
-        f"threads {tp[0]['settings'].get('threads')}. `other cores` = cores other processes "
-        f"kept busy during the timed runs (shared box).",
+        f"{machines_line(tp)}; threads {tp[0]['settings'].get('threads')}. `other cores` = "
+        f"cores other processes kept busy during the timed runs (shared box).",
         "",
         "| model | workload | dtype | engine | tok/s median | best | runs | other cores | ours / engine, median (best) | load s |",
         "|---|---|---|---|---:|---:|---|---|---:|---:|",

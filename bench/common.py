@@ -46,6 +46,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id() -> str | None:
+    """'vendor family/model/stepping' from /proc/cpuinfo: tells apart hosts that report the
+    same model name (a generic 'Intel(R) Xeon(R) Processor' in a VM)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first CPU is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return None
+    if "vendor_id" not in fields:
+        return None
+    return (f"{fields['vendor_id']} {fields.get('cpu family', '?')}/{fields.get('model', '?')}/"
+            f"{fields.get('stepping', '?')}")  # fmt: skip
+
+
 # CPU flags that matter for fp32/bf16 matmuls (oneDNN picks its kernels by them).
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
              "amx_bf16", "amx_int8")  # fmt: skip
@@ -55,6 +74,7 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "host": platform.node(),
         "cpu": cpu_model(),
+        "cpu_id": cpu_id(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
     }
@@ -87,7 +107,8 @@ def isa_line(m: dict[str, Any]) -> str:
     isa = m.get("isa")
     if isa is None:  # records before the ISA summary
         isa = f"avx512 {m.get('avx512')}, amx {m.get('amx')}"
-    return f"{m.get('cores', '?')}-core {m.get('cpu', '?')} [{isa}]"
+    ident = f" ({m['cpu_id']})" if m.get("cpu_id") else ""
+    return f"{m.get('cores', '?')}-core {m.get('cpu', '?')}{ident} [{isa}]"
 
 
 def machines_line(recs: list[dict[str, Any]]) -> str:

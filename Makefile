@@ -33,8 +33,9 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 # The full benchmark set (bench/README.md): peers side by side, results in bench/results/,
-# plots and the tables in docs/benchmarks.md. Takes about an hour on 2 cores (vLLM's
-# first run builds its own venv under ~/.cache/appliance-bench).
+# plots and the tables in docs/benchmarks.md. Takes about two hours on 2 quiet cores (the
+# throughput runs cover fp32 and bf16; vLLM's first run builds its own venv under
+# ~/.cache/appliance-bench).
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q matplotlib
 	$(BIN)/python bench/scheduler_overhead.py
@@ -44,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/throughput.py --workloads w64
 	$(BIN)/python bench/throughput.py --models llama50m --workloads w256-long --repeats 2
 	$(BIN)/python bench/serving.py
+	$(BIN)/python bench/serving_vs.py
 	$(BIN)/python bench/plot.py --update-docs
 
 # Regenerates the committed gRPC stubs (tests/serving/test_grpc_proto.py checks they are in sync).

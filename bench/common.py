@@ -46,10 +46,35 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id() -> str | None:
+    """'vendor family/model/stepping' from /proc/cpuinfo: tells apart hosts that report the
+    same model name (a generic 'Intel(R) Xeon(R) Processor' in a VM)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first CPU is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return None
+    if "vendor_id" not in fields:
+        return None
+    return (f"{fields['vendor_id']} {fields.get('cpu family', '?')}/{fields.get('model', '?')}/"
+            f"{fields.get('stepping', '?')}")  # fmt: skip
+
+
+# CPU flags that matter for fp32/bf16 matmuls (oneDNN picks its kernels by them).
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+             "amx_bf16", "amx_int8")  # fmt: skip
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "host": platform.node(),
         "cpu": cpu_model(),
+        "cpu_id": cpu_id(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
     }
@@ -65,12 +90,37 @@ def machine_info() -> dict[str, Any]:
         pass
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
-        info["avx512"] = " avx512f" in flags
-        info["amx"] = " amx_tile" in flags
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+        info["avx512"] = "avx512f" in flags
+        info["avx512_bf16"] = "avx512_bf16" in flags
+        info["amx"] = "amx_tile" in flags
+        info["amx_bf16"] = "amx_bf16" in flags
+        # The flags that decide how fast fp32/bf16 GEMMs can go, in one readable string.
+        info["isa"] = " ".join(f for f in ISA_FLAGS if f in flags) or "none"
     except OSError:
         pass
     return info
+
+
+def isa_line(m: dict[str, Any]) -> str:
+    """The machine's CPU and its matmul-relevant flags, for titles and tables."""
+    isa = m.get("isa")
+    if isa is None:  # records before the ISA summary
+        isa = f"avx512 {m.get('avx512')}, amx {m.get('amx')}"
+    ident = f" ({m['cpu_id']})" if m.get("cpu_id") else ""
+    return f"{m.get('cores', '?')}-core {m.get('cpu', '?')}{ident} [{isa}]"
+
+
+def machines_line(recs: list[dict[str, Any]]) -> str:
+    """Every machine the records ran on, with their dates: the VM can land on hosts with the
+    same CPU name but different flags (AMX or not), which moves bf16 numbers a lot."""
+    seen: dict[str, list[str]] = {}
+    for r in recs:
+        seen.setdefault(isa_line(r.get("machine", {})), []).append(r["date"][:16])
+    if len(seen) == 1:
+        return f"Machine: {next(iter(seen))}"
+    parts = [f"{m} ({', '.join(sorted(set(d)))})" for m, d in seen.items()]
+    return "Machines differ between these records: " + "; ".join(parts)
 
 
 def package_version(name: str) -> str | None:

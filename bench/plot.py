@@ -2,13 +2,17 @@
 
 Writes into bench/results/:
 
-- throughput.png: generated tokens/s by engine for each (model, workload), from the latest
-  full (non --quick) run of bench/throughput.py for that pair, with the ours/peer ratios;
-  failed peers are marked, not dropped.
+- throughput.png: generated tokens/s by engine for each (model, workload, dtype), from the
+  latest full (non --quick) run of bench/throughput.py for that triple, with the ours/peer
+  ratios; one row of panels per (model, workload), one column per dtype; failed peers are
+  marked, not dropped.
 - serving_latency.png: TTFT and ITL (p50, p90) and output tokens/s by load (concurrency),
   from the latest run in bench/results/serving.jsonl (bench/serving.py), if present.
 - prefix_ttft.png: mean TTFT with prefix caching off/on (bench/prefix_ttft.py), if present.
-- summary.md: markdown tables of the latest throughput, prefix-TTFT, KV and MFU results.
+- serving_vs.png: ours vs vLLM's server under Poisson arrivals (bench/serving_vs.py), see
+  bench/plot_serving_vs.py, if present.
+- summary.md: markdown tables of the latest throughput (with bf16 / fp32 per engine),
+  serving-vs-vLLM, prefix-TTFT, KV and MFU results.
 
 `--update-docs` also replaces the block between `<!-- bench:begin -->` and
 `<!-- bench:end -->` in docs/benchmarks.md with summary.md.
@@ -27,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import RESULTS_DIR, log, read_jsonl  # noqa: E402
+from bench import plot_serving_vs  # noqa: E402
+from bench.common import RESULTS_DIR, isa_line, log, machines_line, read_jsonl  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -42,10 +47,14 @@ def latest_throughput(include_quick: bool) -> list[dict[str, Any]]:
     if not include_quick:
         full = [r for r in recs if not r.get("quick")]
         recs = full or recs
-    latest: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in recs:  # file order is time order
-        latest[(r["model"], r["workload"]["workload"])] = r
+    latest: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in recs:  # file order is time order; records before --dtypes were float32
+        latest[(r["model"], r["workload"]["workload"], dtype_of(r))] = r
     return list(latest.values())
+
+
+def dtype_of(rec: dict[str, Any]) -> str:
+    return rec.get("dtype", "float32")
 
 
 def plot_throughput(recs: list[dict[str, Any]], out: Path) -> bool:
@@ -56,8 +65,16 @@ def plot_throughput(recs: list[dict[str, Any]], out: Path) -> bool:
 
     if not recs:
         return False
-    fig, axes = plt.subplots(1, len(recs), figsize=(max(7.0, 4.4 * len(recs)), 4.6), squeeze=False)
-    for ax, rec in zip(axes[0], recs, strict=True):
+    rows = list(dict.fromkeys((r["model"], r["workload"]["workload"]) for r in recs))
+    cols = list(dict.fromkeys(dtype_of(r) for r in recs))
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(max(7.0, 4.6 * len(cols)),
+                             4.4 * len(rows)), squeeze=False)  # fmt: skip
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for rec in recs:
+        row = rows.index((rec["model"], rec["workload"]["workload"]))
+        ax = axes[row][cols.index(dtype_of(rec))]
+        ax.set_visible(True)
         engines = [e for e in ENGINE_ORDER if e in rec["engines"]]
         vals = [rec["engines"][e].get("tok_s") or 0 for e in engines]
         bars = ax.bar(engines, vals, color=[COLORS.get(e, "grey") for e in engines])
@@ -76,15 +93,17 @@ def plot_throughput(recs: list[dict[str, Any]], out: Path) -> bool:
         other = [
             rec["engines"][e].get("other_cores") for e in engines if rec["engines"][e].get("ok")
         ]
-        ax.set_title(f"{rec['model']} / {rec['workload']['workload']}\n"
+        ax.set_title(f"{rec['model']} / {rec['workload']['workload']} / {dtype_of(rec)}\n"
                      f"{rec['date'][:10]}, others' load {other} cores", fontsize=9)  # fmt: skip
         ax.set_ylabel("generated tokens/s (bar: median)")
         tops = vals + [max(rec["engines"][e].get("tok_s_all") or [0]) for e in engines]
         ax.set_ylim(0, max(tops + [1]) * 1.3)
         ax.legend(loc="upper right", fontsize=7)
-    m = recs[0].get("machine", {})
-    fig.suptitle(f"Offline throughput, {m.get('cores', '?')}-core {m.get('cpu', '?')}\n"
-                 f"{recs[0]['settings'].get('threads')} threads, fp32, median of "
+    m = max(recs, key=lambda r: r["date"]).get("machine", {})
+    differ = len({isa_line(r.get("machine", {})) for r in recs}) > 1
+    fig.suptitle(f"Offline throughput, {isa_line(m)}"
+                 f"{' (latest; machines differ, see summary.md)' if differ else ''}\n"
+                 f"{recs[0]['settings'].get('threads')} threads, median of "
                  f"{recs[0]['settings'].get('repeats')} runs", fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -173,50 +192,80 @@ def fmt(x: Any, nd: int = 1) -> str:
     return str(x)
 
 
-def summary_md(tp: list[dict[str, Any]], prefix: dict[str, Any] | None) -> str:
-    lines: list[str] = []
-    if tp:
-        m = tp[0].get("machine", {})
-        lines += [
-            f"Machine: {m.get('cpu')}, {m.get('cores')} cores, {m.get('mem_gib')} GiB; "
-            f"threads {tp[0]['settings'].get('threads')}, fp32. "
-            f"`other cores` = cores other processes kept busy during the timed runs (shared box).",
-            "",
-            "| model | workload | engine | tok/s median | best | runs | other cores | ours / engine, median (best) | load s |",
-            "|---|---|---|---:|---:|---|---|---:|---:|",
-        ]
-        for rec in tp:
-            for e in ENGINE_ORDER:
-                r = rec["engines"].get(e)
-                if r is None:
-                    continue
-                if not r.get("ok"):
-                    err = (r.get("error") or "failed").strip().splitlines()[0][:80]
-                    lines.append(
-                        f"| {rec['model']} | {rec['workload']['workload']} | {e} | failed: {err} | | | | |"
-                    )
-                    continue
-                ratio = rec.get("ratios", {}).get(f"ours/{e}")
-                best = max(r["tok_s_all"])
-                ours_best = max(rec["engines"]["ours"]["tok_s_all"]) if ratio else None
-                rtxt = f"{ratio:.2f} ({ours_best / best:.2f})" if ratio else ""
-                lines.append(
-                    f"| {rec['model']} | {rec['workload']['workload']} | {e} | {fmt(r['tok_s'])} | "
-                    f"{fmt(best)} | {r['tok_s_all']} | {r['other_cores_all']} | {rtxt} | "
-                    f"{fmt(r.get('load_s'))} |"
-                )
+def throughput_md(tp: list[dict[str, Any]]) -> list[str]:
+    """Markdown: tok/s per engine and dtype, ours/peer ratios, bf16 / fp32, our split."""
+    if not tp:
+        return []
+    lines = [
+        f"{machines_line(tp)}; threads {tp[0]['settings'].get('threads')}. `other cores` = "
+        f"cores other processes kept busy during the timed runs (shared box).",
+        "",
+        "| model | workload | dtype | engine | tok/s median | best | runs | other cores | ours / engine, median (best) | load s |",
+        "|---|---|---|---|---:|---:|---|---|---:|---:|",
+    ]  # fmt: skip
+    for rec in tp:
+        where = f"| {rec['model']} | {rec['workload']['workload']} | {dtype_of(rec)} |"
+        for e in ENGINE_ORDER:
+            r = rec["engines"].get(e)
+            if r is None:
+                continue
+            if not r.get("ok"):
+                err = (r.get("error") or "failed").strip().splitlines()[0][:80]
+                lines.append(f"{where} {e} | failed: {err} | | | | | |")
+                continue
+            ratio = rec.get("ratios", {}).get(f"ours/{e}")
+            best = max(r["tok_s_all"])
+            ours_best = max(rec["engines"]["ours"]["tok_s_all"]) if ratio else None
+            rtxt = f"{ratio:.2f} ({ours_best / best:.2f})" if ratio else ""
+            lines.append(f"{where} {e} | {fmt(r['tok_s'])} | {fmt(best)} | {r['tok_s_all']} | "
+                         f"{r['other_cores_all']} | {rtxt} | {fmt(r.get('load_s'))} |")  # fmt: skip
+    lines.append("")
+    lines += dtype_md(tp)
+    splits = [(rec, rec["engines"].get("ours", {}).get("split")) for rec in tp]
+    splits = [(rec, s) for rec, s in splits if s]
+    if splits:
+        lines += ["Our prefill/decode split (median run):", "",
+                  "| model | workload | dtype | prefill s | prefill tok/s | decode s | decode tok/s | mean decode batch |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for rec, s in splits:
+            lines.append(f"| {rec['model']} | {rec['workload']['workload']} | {dtype_of(rec)} | "
+                         f"{fmt(s.get('prefill_s'), 2)} | {fmt(s.get('prefill_tok_s'), 0)} | "
+                         f"{fmt(s.get('decode_s'), 2)} | {fmt(s.get('decode_tok_s'), 0)} | "
+                         f"{fmt(s.get('mean_decode_batch'))} |")  # fmt: skip
         lines.append("")
-        splits = [(rec, rec["engines"].get("ours", {}).get("split")) for rec in tp]
-        splits = [(rec, s) for rec, s in splits if s]
-        if splits:
-            lines += ["Our prefill/decode split (median run):", "",
-                      "| model | workload | prefill s | prefill tok/s | decode s | decode tok/s | mean decode batch |",
-                      "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-            for rec, s in splits:
-                lines.append(f"| {rec['model']} | {rec['workload']['workload']} | {fmt(s.get('prefill_s'), 2)} | "
-                             f"{fmt(s.get('prefill_tok_s'), 0)} | {fmt(s.get('decode_s'), 2)} | "
-                             f"{fmt(s.get('decode_tok_s'), 0)} | {fmt(s.get('mean_decode_batch'))} |")  # fmt: skip
-            lines.append("")
+    return lines
+
+
+def dtype_md(tp: list[dict[str, Any]]) -> list[str]:
+    """Markdown: each engine's tok/s in a non-fp32 dtype over its fp32 tok/s, both from the
+    same invocation (the record's `vs_float32`)."""
+    rows = []
+    fp32 = {(r["run_id"], r["model"], r["workload"]["workload"]): r for r in tp
+            if dtype_of(r) == "float32" and "run_id" in r}  # fmt: skip
+    for rec in tp:
+        base = fp32.get((rec.get("run_id"), rec["model"], rec["workload"]["workload"]))
+        if not rec.get("vs_float32") or base is None:
+            continue
+        for e in ENGINE_ORDER:
+            ratio = rec["vs_float32"].get(e)
+            if ratio is None:
+                continue
+            a, b = base["engines"][e], rec["engines"][e]
+            rows.append(f"| {rec['model']} | {rec['workload']['workload']} | {e} | {fmt(a['tok_s'])} | "
+                        f"{dtype_of(rec)} | {fmt(b['tok_s'])} | {ratio:.2f} | "
+                        f"{a['other_cores_all']} / {b['other_cores_all']} |")  # fmt: skip
+    if not rows:
+        return []
+    return ["Each engine against itself in fp32 (same invocation, runs minutes apart):", "",
+            "| model | workload | engine | fp32 tok/s | dtype | tok/s | / fp32 | other cores fp32 / dtype |",
+            "|---|---|---|---:|---|---:|---:|---|", *rows, ""]  # fmt: skip
+
+
+def summary_md(
+    tp: list[dict[str, Any]], prefix: dict[str, Any] | None, include_quick: bool = False
+) -> str:
+    lines: list[str] = throughput_md(tp)
+    lines += plot_serving_vs.table_md(include_quick)
     if prefix:
         lines += [f"Shared-prefix TTFT ({prefix['model']}, {prefix['workload']['requests']} requests, "
                   f"{prefix['workload']['prefix_len']}-token shared prefix, {prefix['date'][:10]}):", "",
@@ -272,7 +321,9 @@ def main() -> None:
     prefix = plot_prefix(RESULTS_DIR / "prefix_ttft.png")
     if prefix:
         log(f"wrote {RESULTS_DIR / 'prefix_ttft.png'}")
-    md = summary_md(tp, prefix)
+    if plot_serving_vs.plot(RESULTS_DIR / "serving_vs.png", args.include_quick):
+        log(f"wrote {RESULTS_DIR / 'serving_vs.png'}")
+    md = summary_md(tp, prefix, args.include_quick)
     (RESULTS_DIR / "summary.md").write_text(md + "\n")
     print(md)
     if args.update_docs:

@@ -91,11 +91,19 @@ class CpuMeter:
         self.own_cores = round(own_cores, 2)
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> Sample:
+async def one_request(
+    client: httpx.AsyncClient, prompt: str | list[int], max_tokens: int, model: str | None = None
+) -> Sample:
+    """One streamed greedy /v1/completions request (text or token ids, ignore_eos). Chunks
+    without text count for neither TTFT nor ITL: a token that detokenizes to nothing yet
+    (part of a UTF-8 character) reaches the client with the next one, whichever server sends
+    an empty chunk for it (vLLM does, we do not). Also bench/serving_vs.py's client."""
     body = {
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
+    if model is not None:
+        body["model"] = model
     t0 = time.perf_counter()
     s = Sample(ok=False)
     try:

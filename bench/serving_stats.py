@@ -1,21 +1,27 @@
-"""What bench/serving.py (HTTP) and bench/serving_grpc.py (gRPC) share, so they measure alike.
+"""What bench/serving.py (HTTP), bench/serving_grpc.py (gRPC) and bench/serving_vs.py (ours
+against vLLM's server) share, so they measure alike.
 
-Both drive the same prompts from `concurrency` workers, record one `Sample` per request
-(TTFT, inter-chunk latencies, end-to-end time, tokens) and reduce them with `summarize` to
-the same JSON keys, so HTTP and gRPC rows in bench/results/ compare directly. Only the
+serving.py and serving_grpc.py drive the prompts from `concurrency` workers (`run_workers`);
+serving_vs.py sends them at Poisson arrival times (`run_arrivals`). All record one `Sample`
+per request (TTFT, inter-chunk latencies, end-to-end time, tokens) and reduce them with
+`summarize` to the same JSON keys, so their rows in bench/results/ compare directly. Only the
 transport (one request over httpx or over a gRPC stub) lives in each script. Standard
-library only.
-"""
+library only."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 PROMPTS = [
     "Once upon a time there was a little girl who lived in a village near the forest.",
@@ -75,10 +81,43 @@ async def run_workers(
     return samples, time.perf_counter() - t0
 
 
+def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Send times, in seconds from the start, of `n` requests arriving as a Poisson process
+    of `rate` per second (exponential gaps; the first at 0). `rate` inf: all at 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+async def run_arrivals(
+    request: Callable[[T], Awaitable[Sample]], prompts: list[T], offsets: list[float]
+) -> tuple[list[Sample], float]:
+    """Send `prompts[i]` at `offsets[i]` seconds after the start, without waiting for earlier
+    answers (open loop); (samples in prompt order, seconds from the start to the last answer)."""
+    t0 = time.perf_counter()
+
+    async def one(prompt: T, at: float) -> Sample:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        return await request(prompt)
+
+    samples = await asyncio.gather(*(one(p, at) for p, at in zip(prompts, offsets, strict=True)))
+    return list(samples), time.perf_counter() - t0
+
+
 def summarize(samples: list[Sample], wall: float) -> dict:
     ok = [s for s in samples if s.ok]
     tokens = sum(s.tokens for s in ok)
     itls = [x for s in ok for x in s.itls]
+    # Time per output token after the first, per request: unlike ITL it does not depend on
+    # how many tokens a server packs into one chunk.
+    tpots = [(s.e2e - s.ttft) / (s.tokens - 1) for s in ok if s.tokens > 1]
+    chunks = sum(len(s.itls) + 1 for s in ok if s.last is not None)
     return {
         "requests": len(samples),
         "failed": len(samples) - len(ok),
@@ -90,6 +129,8 @@ def summarize(samples: list[Sample], wall: float) -> dict:
         "itl_ms": {f"p{q}": pct(itls, q) for q in (50, 90, 99)},
         "e2e_ms": {f"p{q}": pct([s.e2e for s in ok], q) for q in (50, 90, 99)},
         "mean_itl_ms": round(statistics.fmean(itls) * 1000, 3) if itls else None,
+        "tpot_ms": {f"p{q}": pct(tpots, q) for q in (50, 90, 99)},
+        "tokens_per_chunk": round(tokens / chunks, 3) if chunks else None,
     }
 
 

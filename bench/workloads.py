@@ -21,6 +21,9 @@ Models (built once into ~/.cache/appliance-bench/models, or APPLIANCE_BENCH_CACH
   transformers directly rather than `make_tiny_checkpoint`, which derives vocab_size from
   its 512-token test tokenizer and cannot take a larger one; a real tokenizer that covers
   the vocabulary keeps detokenization honest in every engine.
+- `micro`: the same recipe at toy size (hidden 128, 2 layers, 4 heads / 2 KV heads,
+  head_dim 32, SmolLM2's tokenizer; 6.7M parameters, nearly all embeddings): for `--quick` runs that include vLLM, whose CPU attention needs a
+  head size of 32 or more (the `tiny` model's is 16).
 - `smollm2`: the default model (SmolLM2-135M-Instruct), the converted fp32 HF dir from
   `engine.worker.models.loader.resolve_model_path(None)`.
 
@@ -161,7 +164,10 @@ LLAMA50M = dict(
     num_key_value_heads=4, head_dim=64, max_position_embeddings=2048, vocab_size=49152,
     tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu",
 )  # fmt: skip
-MODEL_NAMES = ("tiny", "llama50m", "smollm2")
+MICRO = dict(LLAMA50M, hidden_size=128, num_hidden_layers=2, intermediate_size=384,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
+RANDOM_LLAMAS = {"llama50m": LLAMA50M, "micro": MICRO}
+MODEL_NAMES = ("tiny", "micro", "llama50m", "smollm2")
 
 
 def smollm2_dir() -> Path:
@@ -176,7 +182,7 @@ def _build_tiny(out: Path) -> None:
     make_tiny_checkpoint(out, "llama")
 
 
-def _build_llama50m(out: Path) -> None:
+def _build_random_llama(out: Path, shape: dict[str, Any]) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -187,7 +193,7 @@ def _build_llama50m(out: Path) -> None:
             shutil.copy(src / name, out / name)
     src_cfg = json.loads((src / "config.json").read_text())
     bos, eos = src_cfg.get("bos_token_id", 1), src_cfg.get("eos_token_id", 2)
-    cfg = LlamaConfig(**LLAMA50M, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
+    cfg = LlamaConfig(**shape, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
     model.config.dtype = torch.float32
@@ -199,7 +205,7 @@ def ensure_model(name: str) -> Path:
     """The checkpoint dir for `name` (built on first use), or `name` itself if it is a path."""
     if name == "smollm2":
         return smollm2_dir()
-    if name not in ("tiny", "llama50m"):
+    if name != "tiny" and name not in RANDOM_LLAMAS:
         p = Path(name)
         if p.exists():
             return p
@@ -210,7 +216,10 @@ def ensure_model(name: str) -> Path:
     tmp = MODELS_DIR / f".{name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    (_build_tiny if name == "tiny" else _build_llama50m)(tmp)
+    if name == "tiny":
+        _build_tiny(tmp)
+    else:
+        _build_random_llama(tmp, RANDOM_LLAMAS[name])
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -18,9 +18,10 @@ OUT holds the summary:
 
 or {"ok": false, "error": "..."} (the traceback is in "error").
 
-Spec keys: model (dir), vocab_size, prompts (token-id lists), max_tokens (per request),
-warmup_prompts, repeats, threads, max_num_seqs, max_num_batched_tokens, kv_cache_gib,
-max_model_len, batch_size (transformers), extra (engine-specific dict).
+Spec keys: model (dir), dtype (float32 or bfloat16; the weights are cast on load), vocab_size,
+prompts (token-id lists), max_tokens (per request), warmup_prompts, repeats, threads,
+max_num_seqs, max_num_batched_tokens, kv_cache_gib, max_model_len, batch_size (transformers),
+extra (engine-specific dict).
 
 Repeat r > 0 changes each prompt's first token (deterministically), so no engine can serve
 a later repeat's prompts from the prefix cache filled by an earlier one; the lengths, and

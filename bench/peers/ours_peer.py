@@ -1,6 +1,7 @@
 """Our engine on a throughput workload (run by bench/throughput.py in its own process).
 
-`LLM(path, kv_cache_gib, max_num_seqs, max_num_batched_tokens, max_model_len, num_threads)`,
+`LLM(path, dtype, kv_cache_gib, max_num_seqs, max_num_batched_tokens, max_model_len,
+num_threads)` (dtype from the spec: float32 or bfloat16, whatever the checkpoint holds),
 then `generate([{"prompt_token_ids": ids}, ...], [SamplingParams(temperature=0,
 max_tokens=n, ignore_eos=True), ...], use_tqdm=False)` with every request submitted at once.
 
@@ -109,7 +110,7 @@ def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[
     t0 = time.perf_counter()
     llm = LLM(
         spec["model"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         kv_cache_gib=float(spec["kv_cache_gib"]),
         max_num_seqs=int(spec["max_num_seqs"]),
         max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
@@ -119,7 +120,7 @@ def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[
     )
     result["load_s"] = round(time.perf_counter() - t0, 2)
     result["threads"] = torch.get_num_threads()
-    result["settings"] = {"extra": extra}
+    result["settings"] = {"dtype": spec.get("dtype", "float32"), "extra": extra}
     params = greedy_params_and_warm_up(llm, SamplingParams, spec, result)
 
     split = StepSplit(llm.engine)

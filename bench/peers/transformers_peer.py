@@ -1,7 +1,8 @@
 """transformers `generate` with static batches (run by bench/throughput.py in its own process).
 
 What a user without a serving engine would write: the requests in input order, cut into
-static batches of `batch_size` (16), each left-padded to its longest prompt, greedy, fp32,
+static batches of `batch_size` (16), each left-padded to its longest prompt, greedy, the
+spec's dtype (float32 or bfloat16: the weights are cast on load),
 `min_new_tokens = max_new_tokens` = the batch's largest max_tokens (so EOS never ends a
 sequence early), default attention implementation (SDPA), `torch.set_num_threads(threads)`.
 
@@ -33,12 +34,13 @@ def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[
     threads = int(spec.get("threads") or 2)
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    dtype = spec.get("dtype", "float32")
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, dtype)).eval()
     result["load_s"] = round(time.perf_counter() - t0, 2)
     result["threads"] = torch.get_num_threads()
     attn = getattr(model.config, "_attn_implementation", None)
     bs = int(spec.get("batch_size") or 16)
-    result["settings"] = {"batch_size": bs, "attn_implementation": attn}
+    result["settings"] = {"batch_size": bs, "attn_implementation": attn, "dtype": dtype}
     pad = model.generation_config.pad_token_id
     if pad is None:
         eos = model.generation_config.eos_token_id

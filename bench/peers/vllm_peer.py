@@ -1,8 +1,8 @@
 """vLLM's CPU build on a throughput workload. Runs under the vLLM venv's python
 (bench/peers/setup_vllm.py makes it), started by bench/throughput.py in its own process.
 
-`vllm.LLM(model, dtype="float32", max_model_len, max_num_seqs, max_num_batched_tokens,
-seed=0)`, the KV cache size from `VLLM_CPU_KVCACHE_SPACE` (GiB, set by the parent to the same
+`vllm.LLM(model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+seed=0)` (dtype from the spec: float32 or bfloat16), the KV cache size from `VLLM_CPU_KVCACHE_SPACE` (GiB, set by the parent to the same
 size ours gets) and `VLLM_CPU_OMP_THREADS_BIND=0-1` (both cores; vLLM's default keeps one
 free). Then `generate` with every request at once: `SamplingParams(temperature=0,
 max_tokens=n, ignore_eos=True)` per request. Start-up (including vLLM's compilation, 40-110 s
@@ -42,7 +42,7 @@ def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[
     t0 = time.perf_counter()
     llm = LLM(
         model=spec["model"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         max_model_len=int(spec["max_model_len"]),
         max_num_seqs=int(spec["max_num_seqs"]),
         max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
@@ -53,6 +53,7 @@ def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[
     result["load_s"] = round(time.perf_counter() - t0, 2)
     result["threads"] = threads
     result["settings"] = {
+        "dtype": spec.get("dtype", "float32"),
         "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"],
         "VLLM_CPU_OMP_THREADS_BIND": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
         "torch": torch.__version__,

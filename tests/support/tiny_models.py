@@ -212,14 +212,15 @@ def make_tiny_checkpoint(
     return out
 
 
-@functools.lru_cache(maxsize=8)
-def _hf_model(model_dir: str) -> Any:
+@functools.lru_cache(maxsize=16)
+def _hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
+    """The checkpoint in transformers, eager attention, weights cast to `dtype` (RNE)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     )
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 def _eos_ids(model_dir: Path) -> set[int]:
@@ -236,14 +237,16 @@ def hf_greedy(
     prompt_token_ids_list: list[list[int]],
     max_new_tokens: int,
     ignore_eos: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> list[list[int]]:
-    """Transformers' greedy continuation of each prompt (fp32, eager attention, no padding).
+    """Transformers' greedy continuation of each prompt (eager attention, no padding), with
+    the weights and activations in `dtype` (fp32 by default).
 
     One prompt at a time with the HF KV cache. Output lists hold only new tokens; generation
     stops after an eos token (which is included) unless `ignore_eos`.
     """
     model_dir = Path(model_dir)
-    model = _hf_model(str(model_dir.resolve()))
+    model = _hf_model(str(model_dir.resolve()), dtype)
     eos = set() if ignore_eos else _eos_ids(model_dir)
     results = []
     for prompt in prompt_token_ids_list:

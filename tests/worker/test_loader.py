@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.config import ConfigError, ModelConfig
+from engine.worker import cpu_features
 from engine.worker.attention.torch_paged import TorchPagedBackend
 from engine.worker.models import gguf_loader
 from engine.worker.models.default_model import default_model_gguf
-from engine.worker.models.loader import load_model, resolve_model_path
+from engine.worker.models.loader import load_model, resolve_dtype, resolve_model_path
+from tests.support.fake_cpuinfo import SAPPHIRE_RAPIDS, XEON_AMX_HIDDEN
 from tests.support.paged_harness import PagedRun
 from tests.support.tiny_models import _hf_model, make_tiny_gguf
 
@@ -65,11 +69,92 @@ def test_explicit_dtype_casts_weights(tiny_llama_dir, dtype):
     torch.testing.assert_close(logits, _hf_logits(tiny_llama_dir), atol=0.15, rtol=0.05)
 
 
-def test_auto_dtype_follows_checkpoint(tiny_checkpoint):
+@pytest.fixture
+def fake_cpu(tmp_path, monkeypatch):
+    """`fake_cpu(cpuinfo_text)`: this process reads that text as /proc/cpuinfo, no override."""
+    monkeypatch.delenv(cpu_features.OVERRIDE_ENV, raising=False)
+
+    def use(text: str) -> None:
+        path = tmp_path / "cpuinfo"
+        path.write_text(text)
+        monkeypatch.setattr(cpu_features, "CPUINFO_PATH", path)
+
+    return use
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "expected", "line"),
+    [
+        (
+            SAPPHIRE_RAPIDS,
+            torch.bfloat16,
+            "dtype bfloat16 (checkpoint bfloat16, CPU has AMX-BF16)",
+        ),
+        (
+            XEON_AMX_HIDDEN,
+            torch.float32,
+            "dtype float32 (checkpoint bfloat16; avx512_bf16 without AMX: bf16 GEMMs are not "
+            "faster than fp32 on Intel cores)",
+        ),
+    ],
+)
+def test_auto_dtype_on_cpu_is_bf16_only_where_native_and_logged(
+    tiny_checkpoint, fake_cpu, caplog, cpuinfo, expected, line
+):
+    fake_cpu(cpuinfo)
     bf16_dir = tiny_checkpoint("llama", dtype=torch.bfloat16)
-    loaded = load_model(ModelConfig(path=str(bf16_dir)), CPU)
-    assert loaded.dtype == torch.bfloat16
-    assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    with caplog.at_level(logging.INFO, logger="engine.worker.models.loader"):
+        loaded = load_model(ModelConfig(path=str(bf16_dir)), CPU)
+    assert loaded.dtype == expected
+    assert loaded.model.model.embed_tokens.weight.dtype == expected
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype ")] == [line]
+
+
+def test_override_env_decides_auto_dtype(tiny_checkpoint, fake_cpu, monkeypatch, caplog):
+    fake_cpu(SAPPHIRE_RAPIDS)
+    monkeypatch.setenv(cpu_features.OVERRIDE_ENV, "0")
+    bf16_dir = tiny_checkpoint("llama", dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="engine.worker.models.loader"):
+        assert load_model(ModelConfig(path=str(bf16_dir)), CPU).dtype == torch.float32
+    assert "dtype float32 (checkpoint bfloat16; APPLIANCE_CPU_BF16=0)" in caplog.messages
+
+
+def _support(native: bool):
+    reason = "CPU has AMX-BF16" if native else "no bf16 here"
+    return lambda: cpu_features.Bf16Support(native, reason)
+
+
+def _never():
+    raise AssertionError("bf16 support asked where it cannot matter")
+
+
+CUDA_DEV = torch.device("cuda")  # a device object only: nothing runs on it
+
+
+@pytest.mark.parametrize(
+    ("requested", "recorded", "device", "bf16", "line"),
+    [
+        ("auto", "bfloat16", CPU, _support(True), "dtype bfloat16 (checkpoint bfloat16, CPU has AMX-BF16)"),
+        ("auto", "bfloat16", CPU, _support(False), "dtype float32 (checkpoint bfloat16; no bf16 here)"),
+        ("auto", "float16", CPU, _support(True), "dtype bfloat16 (checkpoint float16, CPU has AMX-BF16; CPU fp16 is not a fast path)"),
+        ("auto", "float16", CPU, _support(False), "dtype float32 (checkpoint float16; no bf16 here)"),
+        ("auto", "float32", CPU, _never, "dtype float32 (checkpoint float32)"),
+        ("auto", None, CPU, _never, "dtype float32 (checkpoint records no dtype)"),
+        ("auto", "float64", CPU, _never, "dtype float32 (checkpoint float64 is not a run dtype)"),
+        ("auto", "bfloat16", CUDA_DEV, _never, "dtype bfloat16 (checkpoint bfloat16)"),
+        ("auto", "float16", CUDA_DEV, _never, "dtype float16 (checkpoint float16)"),
+        ("auto", "float32", CUDA_DEV, _never, "dtype float32 (checkpoint float32)"),
+        ("float32", "bfloat16", CPU, _never, "dtype float32 (model.dtype float32)"),
+        ("bfloat16", "float32", CPU, _support(True), "dtype bfloat16 (model.dtype bfloat16)"),
+        ("bfloat16", "float32", CPU, _support(False), "dtype bfloat16 (model.dtype bfloat16; no bf16 here)"),
+        ("float16", "float32", CPU, _never, "dtype float16 (model.dtype float16; CPU fp16 is not a fast path)"),
+        ("float16", "float32", CUDA_DEV, _never, "dtype float16 (model.dtype float16)"),
+    ],
+)  # fmt: skip
+def test_resolve_dtype_rule(requested, recorded, device, bf16, line):
+    choice = resolve_dtype(requested, SimpleNamespace(dtype=recorded), device, bf16)
+    assert str(choice) == line
+    assert choice.dtype == getattr(torch, line.split()[1])
 
 
 def test_unsupported_architecture_error_names_supported(tiny_llama_dir, tmp_path):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
+from engine.worker.cpu_features import Bf16Support, native_bf16
 from engine.worker.models.default_model import default_model_gguf
 from engine.worker.models.gguf_loader import convert_gguf
 from engine.worker.models.registry import get_model_class
@@ -91,16 +92,69 @@ def _local_hub_snapshot(repo_id: str, cache_dir: str | Path | None) -> Path | No
         return None
 
 
-def resolve_dtype(requested: str, hf_config: Any) -> torch.dtype:
-    """`auto` is the checkpoint's dtype (float32 when it records none)."""
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The run dtype and why; `str()` is the start-up log line."""
+
+    dtype: torch.dtype
+    why: str  # "checkpoint bfloat16, CPU has AMX-BF16", "model.dtype float32", ...
+
+    def __str__(self) -> str:
+        return f"dtype {_name(self.dtype)} ({self.why})"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def checkpoint_dtype(hf_config: Any) -> str | None:
+    """The dtype name the checkpoint records (`dtype` / `torch_dtype`), None when none."""
+    recorded = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return None if recorded is None else str(recorded).removeprefix("torch.")
+
+
+def resolve_dtype(
+    requested: str,
+    hf_config: Any,
+    device: torch.device,
+    bf16: Callable[[], Bf16Support] = native_bf16,
+) -> DtypeChoice:
+    """The run dtype for `model.dtype` = `requested`.
+
+    Explicit float32 / bfloat16 / float16 are kept on every device. `auto`:
+
+        CUDA   the checkpoint's dtype (float32 when it records none or one we do not run)
+        CPU    float32 checkpoint           -> float32
+               bfloat16 / float16 checkpoint -> bfloat16 when `bf16()` says the CPU computes
+                                               it natively (fp16 is never a CPU fast path),
+                                               else float32
+
+    `bf16` is asked only on the CPU (tests pass a stand-in for the machine's answer).
+    """
     if requested != "auto":
         if requested not in _DTYPES:
             raise ConfigError("model.dtype", f"must be one of auto, {', '.join(_DTYPES)}")
-        return _DTYPES[requested]
-    recorded = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(recorded, torch.dtype):
-        return recorded if recorded in _DTYPES.values() else torch.float32
-    return _DTYPES.get(str(recorded).removeprefix("torch."), torch.float32)
+        dtype = _DTYPES[requested]
+        why = f"model.dtype {requested}"
+        if device.type == "cpu" and dtype == torch.float16:
+            why += "; CPU fp16 is not a fast path"
+        elif device.type == "cpu" and dtype == torch.bfloat16:
+            support = bf16()
+            why += "" if support.native else f"; {support.reason}"
+        return DtypeChoice(dtype, why)
+    name = checkpoint_dtype(hf_config)
+    if name not in _DTYPES:
+        why = f"checkpoint {name} is not a run dtype" if name else "checkpoint records no dtype"
+        return DtypeChoice(torch.float32, why)
+    recorded, why = _DTYPES[name], f"checkpoint {name}"
+    if device.type != "cpu" or recorded == torch.float32:
+        return DtypeChoice(recorded, why)
+    support = bf16()
+    if not support.native:
+        return DtypeChoice(torch.float32, f"{why}; {support.reason}")
+    if recorded == torch.float16:
+        return DtypeChoice(torch.bfloat16, f"{why}, {support.reason}; CPU fp16 is not a fast path")
+    return DtypeChoice(torch.bfloat16, f"{why}, {support.reason}")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -166,7 +220,9 @@ def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
             "model.max_model_len",
             f"{model_config.max_model_len} exceeds the model's max_position_embeddings {max_pos}",
         )
-    dtype = resolve_dtype(model_config.dtype, hf_config)
+    choice = resolve_dtype(model_config.dtype, hf_config, device)
+    logger.info("%s", choice)
+    dtype = choice.dtype
     model = build_model(hf_config, dtype, device)
     model.load_weights(iter_weights(model_dir, device))
     model.eval().requires_grad_(False)

@@ -21,14 +21,24 @@ Both sides take log_softmax in fp32 of the bf16 logits, as our sampler does. The
 on our fp32 engine vs transformers fp32 gives 1, 1, 0, 0 (a test below), so what remains
 in bf16 is rounding, not the metric.
 
-Measured on the plain torch path (cpu_kernels false; true gave the same numbers, as no bf16
-kernel existed yet), Xeon with AVX512-BF16 and no AMX, prompts of seed 11:
+Measured on the plain torch path (cpu_kernels false), Xeon with AVX512-BF16 and no AMX,
+prompts of seed 11:
 
     arch            prefix  top-1   prefill lp max / mean   decode lp max / mean
     llama           0.617   0.973   0.083 / 0.0148          0.083 / 0.0143
     mistral (sw 8)  0.461   0.977   0.058 / 0.0130          0.058 / 0.0138
     qwen2           0.645   0.977   0.061 / 0.0134          0.061 / 0.0151
     qwen3           0.793   0.992   0.089 / 0.0149          0.089 / 0.0152
+
+With the bf16 CPU kernels and packed bf16 linears (cpu_kernels true, the default), same
+machine and prompts: prefill lp is unchanged on every arch (the fused ops round where
+transformers' bf16 ops round and are bit-equal to them, tests/worker/test_fused_ops.py);
+decode goes through the C paged attention (fp32 inside, one rounding of its output):
+
+    llama           0.617   0.973   0.083 / 0.0148          0.100 / 0.0153
+    mistral (sw 8)  0.660   0.977   0.058 / 0.0130          0.059 / 0.0131
+    qwen2           0.535   0.977   0.061 / 0.0134          0.066 / 0.0150
+    qwen3           0.887   0.992   0.089 / 0.0149          0.074 / 0.0145
 
 Other prompt seeds (12, 13) moved prefix agreement between 0.65 and 0.81 and the rest
 little. Our *fp32* engine against transformers bf16 (an implementation more exact than

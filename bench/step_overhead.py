@@ -223,88 +223,123 @@ def offline(eng, clock: PhaseClock, batch: int, steps: int, seed: int, profile: 
 # ---- async (in-process AsyncEngine) ---------------------------------------------------------
 
 
+class StepTimer:
+    """Wraps `eng.step` to record the wall time of each step that ran `batch` requests."""
+
+    def __init__(self, eng, batch: int):
+        self.eng, self.batch, self.inner = eng, batch, eng.step
+        self.ns: list[int] = []
+
+    def __enter__(self) -> StepTimer:
+        eng, inner, ns = self.eng, self.inner, self.ns
+
+        def timed_step():
+            t0 = time.perf_counter_ns()
+            out = inner()
+            if eng.scheduler.num_running == self.batch:
+                ns.append(time.perf_counter_ns() - t0)
+            return out
+
+        eng.step = timed_step
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.eng.step  # the class's method again
+
+    def median_us(self) -> float:
+        return statistics.median(self.ns[3:] or self.ns) / 1e3
+
+
+def _gaps_from(first_useful: int):
+    """A recorder of gaps between a stream's arrivals, past its first `first_useful`."""
+    gaps: list[float] = []
+
+    def stream_clock():
+        state = {"last": None, "seen": 0}
+
+        def tick() -> None:
+            now = time.perf_counter()
+            state["seen"] += 1
+            if state["last"] is not None and state["seen"] > first_useful:
+                gaps.append(now - state["last"])
+            state["last"] = now
+
+        return tick
+
+    return gaps, stream_clock
+
+
 async def async_run(aeng, batch: int, steps: int, seed: int) -> dict[str, float]:
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    gaps: list[float] = []
+    gaps, stream_clock = _gaps_from(8)  # past the prefill and the first tokens
 
     async def one(i: int, prompt: list[int]) -> None:
         stream = await aeng.add_request(prompt, params, f"a{seed}-{i}")
-        last = None
-        seen = 0
-        async for delta in stream:
-            now = time.perf_counter()
-            seen += sum(len(o.token_ids) for o in delta.outputs)
-            if last is not None and seen > 8:  # past the prefill and the first tokens
-                gaps.append(now - last)
-            last = now
+        tick = stream_clock()
+        async for _ in stream:
+            tick()
 
-    eng = aeng.engine
-    step_ns: list[int] = []
-    inner = eng.step
-
-    def timed_step():
-        t0 = time.perf_counter_ns()
-        out = inner()
-        if eng.scheduler.num_running == batch:
-            step_ns.append(time.perf_counter_ns() - t0)
-        return out
-
-    eng.step = timed_step
-    try:
+    with StepTimer(aeng.engine, batch) as timer:
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(batch, seed))))
-    finally:
-        eng.step = inner
-    step = statistics.median(step_ns) / 1e3
-    return {
-        "step": step,
-        "itl_p50": statistics.median(gaps) * 1e6,
-        "itl_minus_step": statistics.median(gaps) * 1e6 - step,
-    }
+    return _served(timer, gaps)
 
 
-# ---- http (appliance serve in a subprocess) --------------------------------------------------
+def _served(timer: StepTimer, gaps: list[float]) -> dict[str, float]:
+    step, itl = timer.median_us(), statistics.median(gaps) * 1e6
+    return {"step": step, "itl_p50": itl, "itl_minus_step": itl - step}
 
 
-async def http_run(url: str, batch: int, max_tokens: int, seed: int) -> dict[str, float]:
+# ---- http (this process serves, a child process is the client) -----------------------------
+
+
+async def http_client(url: str, batch: int, max_tokens: int, seed: int) -> list[float]:
+    """B streaming /v1/completions requests at once; the gaps between SSE chunks (s)."""
     import httpx
 
-    gaps: list[float] = []
+    gaps, stream_clock = _gaps_from(8)
 
     async def one(client, prompt: list[int]) -> None:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}  # fmt: skip
-        last, seen = None, 0
+        tick = stream_clock()
         async with client.stream("POST", "/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                now = time.perf_counter()
-                seen += 1
-                if last is not None and seen > 8:
-                    gaps.append(now - last)
-                last = now
+                if line.startswith("data: {"):
+                    tick()
 
     limits = httpx.Limits(max_connections=batch + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         await one(client, prompts(1, seed + 99)[0])  # warm the connection
         gaps.clear()
         await asyncio.gather(*(one(client, p) for p in prompts(batch, seed)))
-    return {"itl_p50": statistics.median(gaps) * 1e6}
+    return gaps
+
+
+def http_run(eng, url: str, batch: int, steps: int, seed: int) -> dict[str, float]:
+    """The server runs here (uvicorn's loop on one thread, the engine loop on another: one
+    interpreter, as `appliance serve`); the load generator is a child process, so that
+    its work does not compete for this process's GIL."""
+    import subprocess
+
+    cmd = [
+        sys.executable, __file__, "--client", url, "--batches", str(batch),
+        "--steps", str(steps), "--seed", str(seed), "--vocab", str(VOCAB[0]),
+    ]  # fmt: skip
+    with StepTimer(eng, batch) as timer:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+    return _served(timer, json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+# ---- main ----------------------------------------------------------------------------------
 
 
 def _git_head() -> str:
     import subprocess
 
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
-        return out.stdout.decode().strip()
-    except OSError:
-        return ""
-
-
-# ---- main ----------------------------------------------------------------------------------
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+    return out.stdout.decode().strip()
 
 
 def main() -> None:
@@ -323,7 +358,15 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="cProfile the offline run at this batch")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--client", help=argparse.SUPPRESS)  # the http mode's child process
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.client:
+        VOCAB[0] = args.vocab
+        gaps = asyncio.run(http_client(args.client, int(args.batches), args.steps + 8, args.seed))
+        print(json.dumps(gaps))
+        return
     if args.quick:
         args.steps = min(args.steps, 30)
         args.repeats = min(args.repeats, 2)
@@ -355,7 +398,7 @@ def main() -> None:
                     print(s.getvalue())
             res[b] = {k: round(med(run[k] for run in runs), 1) for k in runs[0]}
             res[b]["outside_runs"] = [round(run["outside"], 1) for run in runs]
-            print(f"offline batch {b:3d} µs/step: " + json.dumps(res[b]))
+            print(f"\noffline batch {b:3d} µs/step: " + json.dumps(res[b]))
         record["offline"] = res
         # Unwrap: the async run below steps the same engine.
         eng = build_engine(sets) if "async" in modes else None
@@ -375,23 +418,28 @@ def main() -> None:
         asyncio.run(aeng.shutdown())
         del aeng, eng
     if "http" in modes:
-        from bench.serving import start_server
+        from appliance.config import ServerConfig
+        from appliance.http.app import build_app
+        from appliance.http.server import BackgroundServer
+        from engine.async_engine import AsyncEngine
 
-        proc, url = start_server(sets, None)
+        eng = build_engine(sets)
+        aeng = AsyncEngine(eng)
+        server = BackgroundServer(build_app(aeng, ServerConfig(host="127.0.0.1"))).start()
         try:
             res = {}
             for b in batches:
                 runs = [
-                    asyncio.run(http_run(url, b, args.steps + 10, seed=3000 * b + r))
+                    http_run(eng, server.url, b, args.steps, seed=3000 * b + r)
                     for r in range(args.repeats)
                 ]
-                res[b] = {"itl_p50": round(med(run["itl_p50"] for run in runs), 1)}
+                res[b] = {k: round(med(run[k] for run in runs), 1) for k in runs[0]}
                 res[b]["itl_p50_runs"] = [round(run["itl_p50"], 1) for run in runs]
                 print(f"http    batch {b:3d} µs: " + json.dumps(res[b]))
             record["http"] = res
         finally:
-            proc.terminate()
-            proc.wait(60)
+            server.stop()
+            asyncio.run(aeng.shutdown())
     if not args.no_save:
         out = ROOT / "bench" / "results" / "step_overhead.jsonl"
         with out.open("a") as f:

@@ -358,6 +358,10 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="cProfile the offline run at this batch")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument(
+        "--switch-interval", type=float, default=None,
+        help="sys.setswitchinterval (s) for the served modes: the GIL contention experiment",
+    )  # fmt: skip
     ap.add_argument("--client", help=argparse.SUPPRESS)  # the http mode's child process
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
@@ -367,6 +371,8 @@ def main() -> None:
         gaps = asyncio.run(http_client(args.client, int(args.batches), args.steps + 8, args.seed))
         print(json.dumps(gaps))
         return
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.quick:
         args.steps = min(args.steps, 30)
         args.repeats = min(args.repeats, 2)
@@ -378,6 +384,7 @@ def main() -> None:
         "cpu": cpu_model(), "cores": os.cpu_count(), "quick": args.quick,
         "threads": args.threads, "steps": args.steps, "repeats": args.repeats,
         "stub_model": args.stub_model, "git": _git_head(),
+        "switch_interval": sys.getswitchinterval(),
     }  # fmt: skip
     med = statistics.median
 

@@ -80,7 +80,8 @@ class RequestStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.loop = loop  # the engine thread delivers on this loop
         self._on_abort = on_abort
-        self._pending: OutputAccumulator | None = None  # delivered, not read yet
+        # Delivered, not read yet: the one delta as it came, or several coalesced.
+        self._pending: RequestDelta | OutputAccumulator | None = None
         self._seen = OutputAccumulator(request_id, n)  # everything read so far
         self._exc: BaseException | None = None
         self._aborted = False
@@ -92,9 +93,13 @@ class RequestStream:
         """One step's delta for this request; coalesced with any the consumer has not read."""
         if self._aborted:
             return
-        if self._pending is None:
-            self._pending = OutputAccumulator(self.request_id)
-        self._pending.add(delta)
+        pending = self._pending
+        if pending is None:  # the usual case: the consumer keeps up, nothing to coalesce
+            self._pending = delta
+        else:
+            if isinstance(pending, RequestDelta):
+                self._pending = _accumulate(self.request_id, pending)
+            self._pending.add(delta)  # type: ignore[union-attr]
         self._event.set()
 
     def fail(self, exc: BaseException) -> None:
@@ -120,12 +125,14 @@ class RequestStream:
     def _take(self) -> RequestDelta:
         pending, self._pending = self._pending, None
         if self._aborted:
+            if isinstance(pending, RequestDelta):
+                pending = _accumulate(self.request_id, pending)
             pending = pending or OutputAccumulator(self.request_id)
             done = {**self._seen.finish_reasons(), **pending.finish_reasons()}
             rest = [SampleDelta(i, finish_reason="abort") for i in range(self.n) if i not in done]
             pending.add(RequestDelta(self.request_id, rest, finished=True))
         assert pending is not None
-        delta = pending.delta()
+        delta = pending if isinstance(pending, RequestDelta) else pending.delta()
         self._seen.add(delta)
         self.finished = delta.finished
         return delta
@@ -172,3 +179,9 @@ class RequestStream:
             self._aborted = True
             self._on_abort(self.request_id)
             self._event.set()
+
+
+def _accumulate(request_id: str, delta: RequestDelta) -> OutputAccumulator:
+    acc = OutputAccumulator(request_id)
+    acc.add(delta)
+    return acc

@@ -48,11 +48,13 @@ class RequestGroup:
     def take_delta(self) -> RequestDelta:
         """What the group gained since the previous call (the first call adds the prompt)."""
         outs = []
+        finished = True
         for i, s in enumerate(self.samples):
+            if not s.request.is_finished:
+                finished = False
             d = _take_sample_delta(i, s)
             if d is not None:
                 outs.append(d)
-        finished = self.finished
         delta = RequestDelta(self.request_id, outs, finished, error=self.error)
         if not self._first_sent:
             self._first_sent = True
@@ -113,6 +115,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
         self.parent_of: dict[str, str] = {}
+        self._sample_of: dict[str, SampleState] = {}  # sample request id -> its state
 
     def add_group(self, request_id: str, prompt: str | None, requests: list[Request]) -> None:
         samples = []
@@ -121,15 +124,15 @@ class OutputProcessor:
                 self.tokenizer, req.prompt_token_ids, req.sampling_params
             )
             wants_lp = req.sampling_params.logprobs is not None
-            samples.append(
-                SampleState(
-                    req,
-                    detok,
-                    logprobs=[] if wants_lp else None,
-                    cumulative_logprob=0.0 if wants_lp else None,
-                )
+            sample = SampleState(
+                req,
+                detok,
+                logprobs=[] if wants_lp else None,
+                cumulative_logprob=0.0 if wants_lp else None,
             )
+            samples.append(sample)
             self.parent_of[req.request_id] = request_id
+            self._sample_of[req.request_id] = sample
         wants_plp = requests[0].sampling_params.prompt_logprobs is not None
         self.groups[request_id] = RequestGroup(
             request_id,
@@ -148,6 +151,7 @@ class OutputProcessor:
         if group:
             for s in group.samples:
                 self.parent_of.pop(s.request.request_id, None)
+                self._sample_of.pop(s.request.request_id, None)
 
     def process(
         self, updated: list[Request], runner_output: RunnerOutput
@@ -167,17 +171,19 @@ class OutputProcessor:
                 end = chunk.first + len(chunk.logprobs)
                 group.prompt_logprobs[chunk.first : end] = chunk.logprobs
 
-        touched: dict[str, RequestGroup] = {}
+        touched: dict[str, None] = {}  # group ids in order, once each
         stops: list[tuple[Request, str]] = []
+        parent_of, sample_of = self.parent_of, self._sample_of
         for req in updated:
-            parent = self.parent_of.get(req.request_id)
+            rid = req.request_id
+            parent = parent_of.get(rid)
             if parent is None:
                 continue
-            group = self.groups[parent]
-            sample = next(s for s in group.samples if s.request is req)
-            new_tokens = req.output_token_ids[sample.num_seen_tokens :]
-            sample.num_seen_tokens = req.num_output_tokens
-            lp = step_lp.get(req.request_id)
+            sample = sample_of[rid]
+            out_ids = req.output_token_ids
+            new_tokens = out_ids[sample.num_seen_tokens :]
+            sample.num_seen_tokens = len(out_ids)
+            lp = step_lp.get(rid) if step_lp else None
             # No new token (a max_tokens=0 request finishing): its sample's logprobs are moot.
             if sample.logprobs is not None and lp is not None and new_tokens:
                 sample.logprobs.append(lp)
@@ -192,15 +198,13 @@ class OutputProcessor:
             if stop is not None:
                 stops.append((req, stop))
             else:
-                self._drain_text(sample)
-            touched[parent] = group
+                sample.text += detok.get_delta()
+            touched[parent] = None
         return list(touched), stops
 
     def finalize_stop(self, sample_id: str) -> None:
         """Takes the text of a sample the scheduler has stopped on a stop string."""
-        group = self.groups[self.parent_of[sample_id]]
-        sample = next(s for s in group.samples if s.request.request_id == sample_id)
-        self._drain_text(sample)
+        self._drain_text(self._sample_of[sample_id])
 
     def _drain_text(self, sample: SampleState) -> None:
         """Moves the text the detokenizer released into the sample's unsent text (a

@@ -67,25 +67,33 @@ def build_step_inputs(
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)
     positions = np.arange(total, dtype=np.int64) - qsl[:-1][req_of_token] + computed[req_of_token]
 
-    max_blocks = max((len(states[r].block_ids) for r in req_ids), default=1)
+    # The per-request loop reads Python ints (NumPy scalars cost ~100 ns per access) and
+    # gathers token ids and block ids into flat lists, converted to arrays once.
+    step_states = [states[r] for r in req_ids]
+    max_blocks = max((len(st.block_ids) for st in step_states), default=1)
     block_tables = np.zeros((num_reqs, max(max_blocks, 1)), np.int32)
-    token_ids = np.empty(total, np.int64)
+    flat_tokens: list[int] = []
     sample_rows: list[int] = []
     sample_req_ids: list[str] = []
     prompt_spans: list[tuple[str, int, int, int]] = []
-    for i, rid in enumerate(req_ids):
-        st = states[rid]
+    starts, ends, row0s = computed.tolist(), seq_lens.tolist(), qsl.tolist()
+    for i, (rid, st) in enumerate(zip(req_ids, step_states, strict=True)):
         blocks = st.block_ids
         block_tables[i, : len(blocks)] = blocks
-        start, end = int(computed[i]), int(seq_lens[i])
-        token_ids[qsl[i] : qsl[i + 1]] = st.token_ids[start:end]
-        if end == len(st.token_ids):
-            sample_rows.append(int(qsl[i + 1]) - 1)
+        start, end = starts[i], ends[i]
+        tokens = st.token_ids
+        if end - start == 1:
+            flat_tokens.append(tokens[start])
+        else:
+            flat_tokens += tokens[start:end]
+        if end == len(tokens):
+            sample_rows.append(row0s[i + 1] - 1)
             sample_req_ids.append(rid)
         if st.params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1:
             # Position p predicts prompt token p + 1; the last prompt position is a sample row.
             count = min(end, st.num_prompt_tokens - 1) - start
-            prompt_spans.append((rid, int(qsl[i]), start, count))
+            prompt_spans.append((rid, row0s[i], start, count))
+    token_ids = np.array(flat_tokens, np.int64)
 
     slot_mapping = (
         block_tables[req_of_token, positions // block_size].astype(np.int64) * block_size
@@ -101,8 +109,8 @@ def build_step_inputs(
         positions=torch.from_numpy(positions).to(device),
         max_query_len=int(query_lens.max()) if num_reqs else 0,
         max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-        query_start_loc_cpu=qsl.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
+        query_start_loc_cpu=row0s,
+        seq_lens_cpu=ends,
         block_size=block_size,
     )
     return StepInputs(

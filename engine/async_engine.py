@@ -50,6 +50,7 @@ from engine.errors import (
     EngineError,
     InvalidRequestError,
     RequestFailedError,
+    UnsatisfiableRequestError,
 )
 from engine.output.request_output import OutputAccumulator, RequestDelta
 from engine.request_stream import (  # FinishedRequest and RequestStream are re-exported
@@ -367,7 +368,8 @@ class AsyncEngine:
         held.total.add(delta)
         stream = held.stream
         if delta.error:
-            out[stream.loop].append(functools.partial(stream.fail, RequestFailedError(delta.error)))
+            err_type = UnsatisfiableRequestError if delta.error_is_request else RequestFailedError
+            out[stream.loop].append(functools.partial(stream.fail, err_type(delta.error)))
         else:
             out[stream.loop].append(functools.partial(stream.put, delta))
         if delta.finished or delta.error:

@@ -23,6 +23,13 @@ class ContextLengthError(InvalidRequestError):
     """Prompt plus output cannot fit the model's context (OpenAI `context_length_exceeded`)."""
 
 
+class UnsatisfiableRequestError(InvalidRequestError):
+    """The request's own constraints (grammar, allowed_token_ids, min_tokens, logit_bias)
+    left no token to sample at some step. Found only while generating, so it fails that one
+    request like a step failure does, but it is the request's fault: HTTP 400 / gRPC
+    INVALID_ARGUMENT, not a server error."""
+
+
 class QueueFullError(EngineError):
     """The waiting queue is at `scheduler.max_queue_len` (HTTP 429 / RESOURCE_EXHAUSTED)."""
 

@@ -256,7 +256,7 @@ class LLMEngine:
         for rid, reason in runner_out.failed.items():  # its masks left no token to sample
             gid = self.outputs.parent_of.get(rid)
             if gid in self.outputs.groups:
-                results += self._fail_groups([gid], reason)
+                results += self._fail_groups([gid], reason, request_error=True)
         for gid in touched:
             delta = self.outputs.delta_for(gid)
             if delta is None:
@@ -286,13 +286,15 @@ class LLMEngine:
         """Fails every in-flight request and frees its blocks; the engine carries on."""
         return self._fail_groups(list(self.outputs.groups), message)
 
-    def _fail_groups(self, gids: list[str], message: str) -> list[RequestDelta]:
+    def _fail_groups(
+        self, gids: list[str], message: str, request_error: bool = False
+    ) -> list[RequestDelta]:
         results = []
         for gid in gids:
             group = self.outputs.groups[gid]
             ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            group.error = message
+            group.error, group.error_is_request = message, request_error
             results.append(group.take_delta())
             self.outputs.remove_group(gid)
         return results

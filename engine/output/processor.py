@@ -39,6 +39,7 @@ class RequestGroup:
     samples: list[SampleState]
     prompt_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    error_is_request: bool = False  # `error` is the request's own fault (its masks)
     _first_sent: bool = field(default=False)
 
     @property
@@ -55,7 +56,13 @@ class RequestGroup:
             d = _take_sample_delta(i, s)
             if d is not None:
                 outs.append(d)
-        delta = RequestDelta(self.request_id, outs, finished, error=self.error)
+        delta = RequestDelta(
+            self.request_id,
+            outs,
+            finished,
+            error=self.error,
+            error_is_request=self.error_is_request,
+        )
         if not self._first_sent:
             self._first_sent = True
             delta.prompt, delta.prompt_token_ids = self.prompt, self.prompt_token_ids

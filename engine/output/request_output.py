@@ -87,6 +87,7 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta only
     metrics: RequestMetrics | None = None  # on the first and the last delta
     error: str | None = None  # the request failed inside the engine
+    error_is_request: bool = False  # ... because of its own parameters (a 400, not a 500)
 
 
 class _SampleSum:
@@ -135,6 +136,7 @@ class OutputAccumulator:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.metrics: RequestMetrics | None = None
         self.error: str | None = None
+        self.error_is_request = False
         self.finished = False
         self.num_output_tokens = 0  # over all samples
 
@@ -145,7 +147,7 @@ class OutputAccumulator:
         if delta.metrics is not None:
             self.metrics = delta.metrics
         if delta.error is not None:
-            self.error = delta.error
+            self.error, self.error_is_request = delta.error, delta.error_is_request
         self.finished = self.finished or delta.finished
         for d in delta.outputs:
             s = self._samples.get(d.index)
@@ -207,6 +209,7 @@ class OutputAccumulator:
             prompt_logprobs=self.prompt_logprobs,
             metrics=self.metrics,
             error=self.error,
+            error_is_request=self.error_is_request,
         )
 
     def _sorted(self) -> list[_SampleSum]:

@@ -255,3 +255,20 @@ def test_sdk_parse_returns_an_object_of_the_pydantic_model(client: openai.OpenAI
             continue
         parsed.append(r.choices[0].message.parsed)
     assert parsed and all(isinstance(p, City) for p in parsed)
+
+
+def test_constraints_that_leave_no_token_are_a_400_and_the_server_keeps_serving(
+    client: openai.OpenAI,
+) -> None:
+    """A grammar that allows only EOS while min_tokens masks EOS is found only while
+    generating; it is the request's own doing, so a 400 naming the masks (not a 500), and
+    the next request is served."""
+    conflict = {"guided_choice": ["yes"], "min_tokens": 20}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="Yes?", max_tokens=30, extra_body=conflict)
+    assert e.value.body["type"] == "invalid_request_error"
+    assert "min_tokens=20" in e.value.body["message"]
+    r = client.completions.create(
+        model="tiny", prompt="Yes?", max_tokens=2, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")

@@ -124,3 +124,31 @@ def test_fused_forward_refuses_positions_past_the_rotary_table(tiny_checkpoint):
     too_far = torch.tensor([model.model.rotary_emb.cos_cache.shape[0]])
     with pytest.raises(ValueError, match="rotary table"):
         cpu_fused.forward(model, torch.tensor([1]), too_far, ctx=None)
+
+
+def test_bf16_model_runs_the_kernels_and_packed_linears_and_matches_the_plain_path(
+    tiny_checkpoint,
+):
+    """The bf16 path must not fall back to plain torch ops (how bf16 once ran at 0.25x vLLM):
+    every linear is packed in bf16, the fused forward is on, and its prompt logprobs equal
+    the plain bf16 path's to within GEMM blocking differences (0.0 measured here)."""
+    from torch import nn
+
+    from engine import LLM, SamplingParams
+
+    path = str(tiny_checkpoint("llama"))
+    kw = dict(dtype="bfloat16", num_kv_blocks=64, block_size=4, max_model_len=64)
+    fast, plain = LLM(path, **kw), LLM(path, cpu_kernels=False, **kw)
+    model = fast.engine.runner.model
+    assert model._cpu_fused
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
+    assert not plain.engine.runner.model._cpu_fused
+    prompt = {"prompt_token_ids": [5 + (7 * i) % 400 for i in range(40)]}
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    got, ref = (
+        [e.logprob for e in llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs[1:]]
+        for llm in (fast, plain)
+    )
+    assert len(got) == len(ref) == 39
+    assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 0.02

@@ -81,6 +81,8 @@ class RotaryEmbedding(nn.Module):
         self.params = rope_parameters(hf_config)
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+        # the tables in other dtypes, converted on first use; emptied by every build
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.build(self.cos_cache.device)
 
     def build(self, device: torch.device) -> None:
@@ -100,18 +102,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos_cache = emb.cos()
         self.sin_cache = emb.sin()
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables = {}
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole (cos, sin) tables in `dtype`, converted once (the fused kernel reads them
         in the activations' dtype, as transformers casts cos/sin to it)."""
         if dtype == self.cos_cache.dtype:
             return self.cos_cache, self.sin_cache
-        cached = getattr(self, "_tables", {}).get(dtype)
-        if cached is None or cached[0].device != self.cos_cache.device:
-            cached = (self.cos_cache.to(dtype), self.sin_cache.to(dtype))
-            self._tables = {**getattr(self, "_tables", {}), dtype: cached}
-        return cached
+        if dtype not in self._tables:
+            self._tables[dtype] = (self.cos_cache.to(dtype), self.sin_cache.to(dtype))
+        return self._tables[dtype]
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -156,8 +156,45 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices one engine spans."""
+
+    # Ranks the model is split across (Megatron-style tensor parallelism over
+    # torch.distributed: NCCL on CUDA, gloo on the CPU). Must divide the attention heads.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "parallel.tensor_parallel_size", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served on top of the base model (PEFT format)."""
+
+    enabled: bool = False
+    # Adapters resident in the step's weight slots at once (LRU-evicted beyond that).
+    max_loras: int = 4
+    # Largest adapter rank accepted; a higher-rank adapter is refused when loaded.
+    max_lora_rank: int = 16
+    # Loaded adapters kept in host memory; None: max(max_loras, 32).
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, "lora.max_loras", "must be >= 1")
+        _require(self.max_lora_rank >= 1, "lora.max_lora_rank", "must be >= 1")
+        if self.max_cpu_loras is not None:
+            _require(
+                self.max_cpu_loras >= self.max_loras,
+                "lora.max_cpu_loras",
+                "must be >= lora.max_loras",
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)

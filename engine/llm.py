@@ -15,7 +15,15 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.beam_search import BeamSearchOutput, run_beam_search
-from engine.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+)
 from engine.llm_engine import LLMEngine
 from engine.output.request_output import OutputAccumulator, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
@@ -42,12 +50,19 @@ _OVERRIDES = {
     "cuda_graphs": ("runtime", "cuda_graphs"),
     "cpu_kernels": ("runtime", "cpu_kernels"),
     "attention_backend": ("runtime", "attention_backend"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "enable_lora": ("lora", "enabled"),
+    "max_loras": ("lora", "max_loras"),
+    "max_lora_rank": ("lora", "max_lora_rank"),
+    "max_cpu_loras": ("lora", "max_cpu_loras"),
 }
 _SECTIONS = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "runtime": RuntimeConfig,
+    "parallel": ParallelConfig,
+    "lora": LoRAConfig,
 }
 
 

@@ -16,7 +16,9 @@ from engine.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     RuntimeConfig,
     SchedulerConfig,
 )
@@ -54,6 +56,45 @@ class RuntimeSection:
     num_threads: int | None = None
     cpu_kernels: bool = True
     attention_backend: str = "auto"  # auto | flashinfer | torch (see RuntimeConfig)
+
+
+@dataclass(frozen=True)
+class LoRASection:
+    """LoRA adapters (the YAML's `lora` section; the engine's part folds into LoRAConfig)."""
+
+    enabled: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    # Adapters loaded at start: served name -> PEFT directory.
+    modules: dict[str, str] = field(default_factory=dict)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API keys).
+    allow_runtime_updates: bool = False
+    # Directories runtime loads may read from; a path outside them is refused (403).
+    allowed_dirs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        LoRAConfig(  # the engine's checks, under the same keys
+            enabled=self.enabled,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+        )
+        _require(
+            self.enabled or not (self.modules or self.allow_runtime_updates),
+            "lora.enabled",
+            "must be true when lora.modules or lora.allow_runtime_updates is set",
+        )
+        _require(all(self.modules), "lora.modules", "adapter names must be non-empty")
+        _require(all(self.allowed_dirs), "lora.allowed_dirs", "entries must be non-empty")
+
+    def engine_config(self) -> LoRAConfig:
+        return LoRAConfig(
+            enabled=self.enabled,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+        )
 
 
 @dataclass(frozen=True)
@@ -183,6 +224,8 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "graphs": GraphsConfig,
     "runtime": RuntimeSection,
+    "parallel": ParallelConfig,
+    "lora": LoRASection,
     "server": ServerConfig,
     "telemetry": TelemetryConfig,
 }
@@ -200,6 +243,8 @@ class AppConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     graphs: GraphsConfig = field(default_factory=GraphsConfig)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRASection = field(default_factory=LoRASection)
     server: ServerConfig = field(default_factory=ServerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
@@ -219,5 +264,10 @@ class AppConfig:
                 raise ConfigError(f"graphs.{name}", e.reason) from None
             raise
         return EngineConfig(
-            model=self.model, cache=self.cache, scheduler=self.scheduler, runtime=runtime
+            model=self.model,
+            cache=self.cache,
+            scheduler=self.scheduler,
+            runtime=runtime,
+            parallel=self.parallel,
+            lora=self.lora.engine_config(),
         )

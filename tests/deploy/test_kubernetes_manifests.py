@@ -278,32 +278,48 @@ def test_the_autoscaler_metric_is_the_adapter_rule_over_the_appliance_queue_gaug
     assert _selects(monitor["spec"]["selector"]["matchLabels"], SERVER_LABELS)
 
 
-def _flag(args: list[str], name: str) -> list[str]:
-    """The values after `name` up to the next --flag (empty for a bare switch)."""
-    assert name in args, (name, args)
-    rest = args[args.index(name) + 1 :]
-    end = next((i for i, a in enumerate(rest) if a.startswith("--")), len(rest))
-    return rest[:end]
+def _router_args(stack: Stack) -> tuple[Any, dict[str, Any]]:
+    """The router container's arguments as vllm-router itself parses them ($(VAR)s from the
+    pod's env expanded as the kubelet would, fieldRefs to the object's own metadata)."""
+    launch = pytest.importorskip("vllm_router.launch_router", reason="vllm-router (dev extra)")
+    deployment = one(stack.objs, "Deployment", "appliance-router")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    # Without a namespace in the manifest (the base), the pod lands in kubectl's default.
+    metadata = {"namespace": "default", **deployment["metadata"]}
+    values = {}
+    for e in container.get("env", []):
+        ref = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        values[e["name"]] = e.get("value") or metadata[ref.removeprefix("metadata.")]
+    args = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in container["args"]]
+    return launch.parse_router_args(args), container
 
 
 def test_the_router_discovers_the_replicas_by_their_labels_and_http_port(stack: Stack) -> None:
-    router = one(stack.objs, "Deployment", "appliance-router")["spec"]["template"]["spec"]
-    (container,) = router["containers"]
-    args = container["args"]
-    assert _flag(args, "--service-discovery") == []
-    selector = dict(item.split("=", 1) for item in _flag(args, "--selector"))
-    assert _selects(selector, stack.pod["metadata"]["labels"])
-    # Only the appliance's replicas: not the router's own pods.
-    assert not _selects(
-        selector,
-        one(stack.objs, "Deployment", "appliance-router")["spec"]["template"]["metadata"]["labels"],
-    )
-    assert _flag(args, "--service-discovery-port") == [str(stack.cfg.server.http_port)]
-    (namespace,) = _flag(args, "--service-discovery-namespace")
-    env = {e["name"]: e for e in container["env"]}
-    assert env[namespace.strip("$()")]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
-    # The router health-checks replicas on its default endpoint, /health.
-    assert "--health-check-endpoint" not in args and ("GET", "/health") in ENDPOINTS
+    ra, container = _router_args(stack)
+    router_pod = one(stack.objs, "Deployment", "appliance-router")["spec"]["template"]
+    assert ra.service_discovery and not ra.worker_urls
+    assert _selects(ra.selector, stack.pod["metadata"]["labels"])
+    assert not _selects(ra.selector, router_pod["metadata"]["labels"])  # never itself
+    assert ra.service_discovery_port == stack.cfg.server.http_port
+    replicas = one(stack.objs, "Deployment", "appliance")["metadata"]
+    assert ra.service_discovery_namespace == replicas.get("namespace", "default")
+    assert ("GET", ra.health_check_endpoint) in ENDPOINTS  # how it health-checks replicas
+    assert ra.policy == "cache_aware" and ra.host == "0.0.0.0"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (ra.port, ra.prometheus_port) == (ports["http"], ports["metrics"])
+
+
+def test_the_router_image_runs_the_pinned_router_the_tests_parse_with() -> None:
+    from importlib.metadata import entry_points, version
+
+    text = (KUBE_DIR / "router" / "Containerfile").read_text()
+    assert re.search(r"^ENTRYPOINT \[\"vllm-router\"\]$", text, re.M)
+    pinned = re.search(r"^ARG VLLM_ROUTER_VERSION=(\S+)$", text, re.M).group(1)
+    assert pinned == version("vllm-router")
+    (script,) = entry_points(group="console_scripts", name="vllm-router")
+    assert script.value == "vllm_router.launch_router:main"
+    image = one(render("base"), "Deployment", "appliance-router")["spec"]["template"]["spec"]
+    assert image["containers"][0]["image"].endswith(f":{pinned}")
 
 
 def test_the_router_may_list_and_watch_pods_and_nothing_more(stack: Stack) -> None:

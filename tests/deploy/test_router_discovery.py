@@ -6,7 +6,7 @@ appliance replicas (the real HTTP app over a fake engine, on 127.0.0.2 and 127.0
 pods' IPs), a third appliance pod that is not Ready, and a router pod. Only the host and
 ports move to loopback; the selector, namespace and policy are the rendered Deployment's.
 What the router asks the API for must be what router-rbac.yaml grants, and a replica that
-turns not Ready (it is draining) must leave the rotation.
+is deleted (terminating) or turns not Ready must leave the rotation.
 """
 
 from __future__ import annotations
@@ -185,9 +185,20 @@ def test_the_router_routes_to_the_ready_replicas_it_discovers(routed) -> None:
     _send_and_count(url, replicas, 4)
 
 
-def test_a_replica_that_turns_not_ready_leaves_the_rotation(routed) -> None:
+@pytest.mark.parametrize(
+    "change",
+    [
+        # Deleted (scale-down, rollout, eviction): marked terminating at once, still Ready,
+        # while its preStop pause runs and before it gets SIGTERM.
+        {"ready": True, "terminating": True},
+        # Its readiness probe fails: /ready says 503 (draining, engine stopped accepting).
+        {"ready": False},
+    ],
+    ids=["terminating", "not-ready"],
+)
+def test_a_replica_leaves_the_rotation_when_it_stops_being_eligible(routed, change) -> None:
     api, replicas, url, metrics_url = routed
     wait_for(lambda: _ready(url) and _active_workers(metrics_url) == 2, "router with 2 workers")
-    api.modify("appliance-b", ready=False)  # draining: its readiness probe says 503
-    wait_for(lambda: _active_workers(metrics_url) == 1, "the not-Ready replica removed")
+    api.modify("appliance-b", **change)
+    wait_for(lambda: _active_workers(metrics_url) == 1, "the replica removed")
     assert _send_and_count(url, replicas, 4) == [4, 0]

@@ -91,13 +91,18 @@ class FakeKubeAPI:
         )
         return path
 
-    def modify(self, name: str, ready: bool) -> None:
-        """Flips a pod's Ready condition and tells every open watch (MODIFIED)."""
+    def modify(self, name: str, *, ready: bool = True, terminating: bool = False) -> None:
+        """Sets a pod's Ready condition, and marks it terminating (a deletionTimestamp, as
+        the API server does the moment a pod is deleted, before its containers get
+        SIGTERM); tells every open watch (MODIFIED)."""
         with self._lock:
             self._version += 1
             p = self.pods[name]
             p["metadata"]["resourceVersion"] = str(self._version)
             p["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
+            if terminating:
+                p["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+                p["metadata"]["deletionGracePeriodSeconds"] = 45
             event = {"type": "MODIFIED", "object": copy.deepcopy(p)}
             for w in self._watchers:
                 w.put(event)

@@ -107,6 +107,9 @@ def test_the_server_listens_on_every_interface_on_the_container_ports(stack: Sta
     assert stack.cfg.server.host == "0.0.0.0"
     assert stack.port("http") == stack.cfg.server.http_port
     assert stack.port("grpc") == stack.cfg.server.grpc_port
+    scrape = stack.pod["metadata"]["annotations"]  # for annotation-driven Prometheus setups
+    assert scrape["prometheus.io/port"] == str(stack.cfg.server.http_port)
+    assert ("GET", scrape["prometheus.io/path"]) in ENDPOINTS
 
 
 def test_probes_use_the_appliance_routes_on_its_http_port(stack: Stack) -> None:

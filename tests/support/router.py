@@ -24,13 +24,15 @@ import httpx
 from tests.support.served_stack import ServeProcess, spawn_serve, tiny_serve_sets
 from tests.support.waiting import HANG_S, wait_for
 
-# What docs/scaling.md runs in front of N replicas: cache-aware routing, and a circuit
-# breaker that opens before the retries run out, so a request whose replica died is
-# retried on a live one instead of being answered 500.
+# What docs/scaling.md runs in front of N replicas: cache-aware routing; a circuit breaker
+# that opens before the retries run out, so a request whose replica died is retried on a
+# live one instead of being answered 500; health from /ready, which turns 503 while a
+# replica drains, so a draining replica leaves the pool.
 ROUTER_FLAGS = (
     "--policy", "cache_aware",
     "--cb-failure-threshold", "2",
     "--retry-max-retries", "5",
+    "--health-check-endpoint", "/ready",
     "--health-check-interval-secs", "5",
     "--health-failure-threshold", "2",
     "--worker-startup-check-interval", "2",

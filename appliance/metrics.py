@@ -6,6 +6,12 @@ collector, so they are never stale and cost nothing between scrapes; per-request
 histograms and outcomes are fed by an AsyncEngine finish listener from the engine's own
 monotonic timestamps (arrival, first scheduled, first token, last token, finished).
 A per-app registry (not the global one) lets tests and several apps in one process coexist.
+
+Beside our own `appliance_*` names, three engine gauges are also exported under vLLM's
+names and label (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`, each labelled `model_name`): KV-aware gateways on Kubernetes
+(Gateway API Inference Extension, llm-d's endpoint picker) read exactly those when they pick
+a replica. They come from the same stats snapshot as ours, so the two never disagree.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class _EngineCollector(Collector):
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         yield from _accelerator_metrics(self.aeng.accelerator)
+        yield from _vllm_gauges(s.num_running, s.num_waiting, s.kv_usage, self.aeng.model_name)
         counters = (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits),
@@ -71,6 +78,19 @@ class _EngineCollector(Collector):
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def _vllm_gauges(running: int, waiting: int, kv_usage: float, model: str) -> Iterator[Metric]:
+    """The queue, batch and KV gauges under vLLM's names, labelled with the served model."""
+    gauges = (
+        ("num_requests_running", "Requests in the running batch (vLLM's name).", running),
+        ("num_requests_waiting", "Requests waiting to be scheduled (vLLM's name).", waiting),
+        ("kv_cache_usage_perc", "KV cache usage as a fraction, 0..1 (vLLM's name).", kv_usage),
+    )
+    for name, doc, value in gauges:
+        g = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+        g.add_metric([model], value)
+        yield g
 
 
 def _accelerator_metrics(acc: AcceleratorStatus) -> Iterator[Metric]:

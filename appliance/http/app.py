@@ -36,6 +36,7 @@ from appliance.http.middleware import (
     HeaderLimitMiddleware,
 )
 from appliance.http.openapi import ROUTES, build_openapi
+from appliance.http.render import render_chat_completion, render_completion
 from appliance.http.serving import AppState
 from appliance.http.tracing_hook import HttpRequestTracer
 from appliance.metrics import ApplianceMetrics
@@ -53,6 +54,8 @@ ENDPOINTS = {
     ("GET", "/ready"): routes.ready,
     ("GET", "/version"): routes.version,
     ("GET", "/metrics"): routes.metrics,
+    ("POST", "/v1/completions/render"): render_completion,
+    ("POST", "/v1/chat/completions/render"): render_chat_completion,
 }
 
 

@@ -37,6 +37,13 @@ _HARMLESS = {
     "reasoning_effort": lambda v: v is None,
     "suffix": lambda v: v in (None, ""),
     "use_beam_search": lambda v: v in (None, False),
+    # SGLang-dialect fields that sglang-router and vllm-router write into every forwarded
+    # body with these defaults (docs/scaling.md); each default is what this server does.
+    "no_stop_trim": lambda v: v in (None, False),
+    "return_hidden_states": lambda v: v in (None, False),
+    "separate_reasoning": lambda v: v in (None, True),
+    "stream_reasoning": lambda v: v in (None, True),
+    "include_reasoning": lambda v: v in (None, True),
 }
 
 

@@ -40,7 +40,8 @@ from engine.output.request_output import RequestOutput
 from engine.request_stream import RequestStream
 
 
-def _prompts(prompt: str | list) -> list[str | list[int]]:
+def prompts_of(prompt: str | list) -> list[str | list[int]]:
+    """The prompts of a completion request: one text or token list, or a batch of them."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -54,7 +55,7 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 
 async def create_completion(request: Request) -> Response:
     arrival, state, req, params = await begin(request, CompletionRequest)
-    prompts = _prompts(req.prompt)
+    prompts = prompts_of(req.prompt)
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await submit(
         state,

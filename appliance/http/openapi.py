@@ -49,6 +49,12 @@ ROUTES: tuple[RouteDoc, ...] = (
     RouteDoc("GET", "/version", None, p.VersionResponse, "Server version", False),
     RouteDoc("GET", "/metrics", None, None, "Prometheus metrics", False,
              content_type="text/plain"),
+    RouteDoc("POST", "/v1/completions/render", p.CompletionRequest, p.CompletionRenderResponse,
+             "Prompt token ids of a completion request, generating nothing (vLLM's render, "
+             "read by token-aware routers)", True),
+    RouteDoc("POST", "/v1/chat/completions/render", p.ChatCompletionRequest, p.RenderedPrompt,
+             "Prompt token ids of a chat request after the chat template, generating nothing",
+             True),
 )  # fmt: skip
 
 _ERRORS = {

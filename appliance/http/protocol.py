@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 IGNORED = "Accepted for compatibility and ignored."
 
@@ -367,6 +367,18 @@ class TokenizeResponse(ResponseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+
+
+class RenderedPrompt(ResponseModel):
+    """One prompt as the model would see it: the subset of vLLM's render answer that
+    token-aware routers read (vllm-router routes on `token_ids`)."""
+
+    model: str
+    token_ids: list[int]
+
+
+class CompletionRenderResponse(RootModel[list[RenderedPrompt]]):
+    """One rendered prompt per prompt of a completion request, in order (as vLLM)."""
 
 
 class DetokenizeRequest(RequestModel):

@@ -294,6 +294,40 @@ def test_metrics_parse_and_count_requests_by_outcome():
     run(_with_client(fn))
 
 
+def test_metrics_carry_vllm_names_for_kv_aware_gateways_beside_ours():
+    """vllm:num_requests_running / _waiting and vllm:kv_cache_usage_perc (a 0..1 fraction),
+    labelled model_name as vLLM labels them, equal to our own gauges from the same snapshot."""
+
+    async def fn(c, fake, aeng):
+        gate = StepGate(fake, permits=1)  # the first request is admitted, then steps hold
+        body = {"prompt": "x", "max_tokens": 3}
+        first = asyncio.create_task(c.post("/v1/completions", json=body))
+        await wait_for_async(lambda: aeng.stats().num_running == 1, "first request running")
+        second = asyncio.create_task(c.post("/v1/completions", json=body))
+        # the engine loop's snapshot (what /metrics reads), not the fake's live state
+        await wait_for_async(lambda: aeng.stats().num_waiting == 1, "second request waiting")
+        fams = {f.name: f for f in text_string_to_metric_families((await c.get("/metrics")).text)}
+        gate.open()
+        assert [(await t).status_code for t in (first, second)] == [200, 200]
+        return fams
+
+    fams = run(_with_client(fn, max_num_seqs=1))
+    ours = {
+        "vllm:num_requests_running": "appliance_requests_running",
+        "vllm:num_requests_waiting": "appliance_requests_waiting",
+        "vllm:kv_cache_usage_perc": "appliance_kv_cache_usage_ratio",
+    }
+    for vllm_name, our_name in ours.items():
+        fam = fams[vllm_name]
+        assert fam.type == "gauge", vllm_name
+        [sample] = fam.samples
+        assert sample.labels == {"model_name": "fake-model"}, sample
+        assert sample.value == fams[our_name].samples[0].value, vllm_name
+    assert fams["vllm:num_requests_running"].samples[0].value == 1
+    assert fams["vllm:num_requests_waiting"].samples[0].value == 1
+    assert fams["vllm:kv_cache_usage_perc"].samples[0].value == 0.01  # the fake: running / 100
+
+
 def test_disconnect_while_queued_aborts_streamed_and_non_streamed_requests():
     """Over real uvicorn: a client that leaves before its first token still frees its slot."""
     import threading

@@ -44,6 +44,8 @@ _BODIES: dict[str, dict] = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5]},
+    "/v1/completions/render": {"prompt": "hi"},
+    "/v1/chat/completions/render": {"messages": [{"role": "user", "content": "hi"}]},
 }
 
 

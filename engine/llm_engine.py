@@ -109,7 +109,7 @@ class LLMEngine:
         lora = self.runner.lora
         # The adapters in host memory; None when LoRA is off.
         self.loras = (
-            LoRARegistry(lora.shapes, config.lora, loaded.dtype) if lora is not None else None
+            LoRARegistry(lora.shapes, config.lora, lora.dtype) if lora is not None else None
         )
         geom = KVGeometry(
             model.num_layers, block_size, model.num_kv_heads, model.head_dim, loaded.dtype

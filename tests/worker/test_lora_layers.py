@@ -26,22 +26,24 @@ def test_rows_are_grouped_by_slot_and_padded():
     b = _batch([2, -1, 0, 1, 0], [3, 1, 1, 1, 1])
     assert b.slots == [0, 1, 2] and b.slot_range == (0, 3) and b.rows_per_slot == 3
     assert b.padded_rows.tolist() == [4, 6, 4, 5, 4, 4, 0, 1, 2]
-    assert b.keep.tolist() == [0, 1, 3, 6, 7, 8]
-    assert b.dst_rows.tolist() == [4, 6, 5, 0, 1, 2]
+    assert b.num_positions == 9
+    assert b.gather_back.tolist() == [6, 7, 8, 9, 0, 3, 1]  # 9: the zero row
 
 
 def test_balanced_rows_need_no_padding():
     b = _batch([1, 3, 1, 3, -1], [1, 1, 1, 1, 1])
     assert b.slot_range == (1, 4)  # slot 2 is idle: its padded rows are dropped
     b = _batch([1, 2, 1, 2], [1, 1, 1, 1])
-    assert b.keep is None and b.padded_rows.tolist() == [0, 2, 1, 3]
-    assert b.dst_rows.tolist() == [0, 2, 1, 3]
+    assert b.padded_rows.tolist() == [0, 2, 1, 3] and b.num_positions == 4
+    assert b.gather_back.tolist() == [0, 2, 1, 3]
 
 
 def test_a_long_prefill_beside_decodes_goes_slot_by_slot():
     b = _batch([0, 1, 2, 3], [40, 1, 1, 1])  # padding 4 x 40 rows for 43: one product per slot
     assert b.padded_rows is None
-    assert [r.tolist() for r in b.slot_rows] == [list(range(40)), [40], [41], [42]]
+    segments = [(slot, rows.tolist(), start) for slot, rows, start in b.segments]
+    assert segments == [(0, list(range(40)), 0), (1, [40], 40), (2, [41], 41), (3, [42], 42)]
+    assert b.gather_back.tolist() == list(range(43))
 
 
 def test_a_step_without_adapters_has_no_batch():
@@ -81,7 +83,9 @@ def _adapters(seed: int) -> list[dict]:
 
 
 def _reference(base: nn.Module, x: torch.Tensor, row_adapters: list[dict | None]):
-    y = base(x).clone()
+    """base(x) plus each row's B A x per slice, in float32."""
+    y = base(x).float()
+    x = x.float()
     for i, modules in enumerate(row_adapters):
         if modules is None:
             continue
@@ -139,3 +143,21 @@ def test_slots_without_weights_for_a_layer_skip_its_product():
     assert layer.filled == [False, False]
     with torch.inference_mode():
         assert torch.equal(layer(x), base(x))
+
+
+def test_a_bf16_layer_adds_a_float32_delta():
+    torch.manual_seed(0)
+    base = FusedLinear(24, SIZES, bias=False).to(torch.bfloat16)
+    step = LoRAStep()
+    layer = LoRALinear(base, 0, ("q_proj", "k_proj", "v_proj"), 3, MAX_RANK, step)
+    assert layer.lora_a.dtype == torch.float32  # on the CPU the LoRA math stays fp32
+    adapters = _adapters(seed=2)
+    for slot, modules in enumerate(adapters):
+        layer.load_slot(slot, modules)
+    step.batch = _batch([1, 0, -1, 2], [1, 1, 1, 1])
+    x = torch.randn(4, 24).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x)
+        want = _reference(base, x, [adapters[1], adapters[0], None, adapters[2]])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2)

@@ -13,7 +13,13 @@ so q/k/v land in their parts of qkv_proj's output and gate/up in theirs, with on
 and one expand product per slot, and a rank below R leaves zero columns. How the step's
 rows reach the slots is `LoRABatch` (built once per step in `batch.py`): the rows are
 gathered slot by slot into a padded [slots, rows, in] tensor and multiplied by `torch.bmm`
-(or, when that padding would waste more than it saves, one product per active slot).
+(or, when that padding would waste more than it saves, one product per active slot), and
+each row reads its delta back.
+
+On the CPU the LoRA weights and products are float32 whatever the model's dtype: a bf16
+`bmm` of these small shapes ran ~10x slower than fp32 here (it has no packed fast path),
+and the delta is small next to the base product, so converting x's rows is cheaper. On
+CUDA they are in the model's dtype.
 """
 
 from __future__ import annotations
@@ -63,15 +69,16 @@ class LoRALinear(nn.Module):
         self.step = step
         w = base.weight
         out_features, in_features = w.shape
+        dtype = torch.float32 if w.device.type == "cpu" else w.dtype
         sizes = _slice_sizes(base, slices, out_features)
         self.offsets = dict(zip(slices, _cumulative(sizes), strict=True))
         self.sizes = dict(zip(slices, sizes, strict=True))
         n = len(slices) * max_rank
         self.register_buffer(
-            "lora_a", torch.zeros(max_loras, in_features, n, dtype=w.dtype, device=w.device)
+            "lora_a", torch.zeros(max_loras, in_features, n, dtype=dtype, device=w.device)
         )
         self.register_buffer(
-            "lora_b", torch.zeros(max_loras, n, out_features, dtype=w.dtype, device=w.device)
+            "lora_b", torch.zeros(max_loras, n, out_features, dtype=dtype, device=w.device)
         )
         # Which slots hold a non-zero delta for this layer: steps whose slots all hold none
         # skip the LoRA product here (an adapter that targets only q and v, say).
@@ -99,18 +106,20 @@ class LoRALinear(nn.Module):
         batch = self.step.batch
         if batch is None or not any(self.filled[s] for s in batch.slots):
             return y
+        a, b = self.lora_a, self.lora_b
+        # The deltas in slot order, then one zero row for the rows without an adapter.
+        d = torch.empty(batch.num_positions + 1, y.shape[-1], dtype=a.dtype, device=y.device)
+        d[-1].zero_()
         if batch.padded_rows is None:
-            for slot, rows in zip(batch.slots, batch.slot_rows, strict=True):
-                d = x.index_select(0, rows) @ self.lora_a[slot] @ self.lora_b[slot]
-                y.index_add_(0, rows, d)
-            return y
-        lo, hi = batch.slot_range
-        xg = x.index_select(0, batch.padded_rows).view(hi - lo, batch.rows_per_slot, -1)
-        d = torch.bmm(torch.bmm(xg, self.lora_a[lo:hi]), self.lora_b[lo:hi])
-        d = d.view(-1, y.shape[-1])
-        if batch.keep is not None:
-            d = d.index_select(0, batch.keep)
-        return y.index_add_(0, batch.dst_rows, d)
+            for slot, rows, start in batch.segments:
+                xs = x.index_select(0, rows).to(a.dtype)
+                torch.mm(xs @ a[slot], b[slot], out=d[start : start + rows.shape[0]])
+        else:
+            lo, hi = batch.slot_range
+            xg = x.index_select(0, batch.padded_rows).to(a.dtype).view(hi - lo, -1, x.shape[-1])
+            out = d[:-1].view(hi - lo, batch.rows_per_slot, -1)
+            torch.bmm(torch.bmm(xg, a[lo:hi]), b[lo:hi], out=out)
+        return y.add_(d.index_select(0, batch.gather_back))
 
 
 def _slice_sizes(base: nn.Module, slices: tuple[str, ...], out_features: int) -> list[int]:

@@ -46,6 +46,8 @@ class ModelLoRA:
         self.shapes: LoRAShapes = lora_shapes(model)
         self.wrappers = wrap_linears(model, config.max_loras, config.max_lora_rank, self.step)
         self.slots = SlotTable(config.max_loras)
+        # What adapters are read into: the slots' dtype (float32 on the CPU, see layers.py).
+        self.dtype = self.wrappers[0].lora_a.dtype
 
     def begin_step(self, adapters: Sequence[LoRAWeights | None], query_lens: np.ndarray) -> None:
         """`adapters[i]`: request i's adapter (None: the base model), in step order;

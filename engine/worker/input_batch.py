@@ -59,8 +59,11 @@ def build_step_inputs(
     states: dict[str, CachedRequestState],
     block_size: int,
     device: torch.device,
+    req_ids: list[str] | None = None,
 ) -> StepInputs:
-    req_ids = list(so.num_scheduled_tokens)
+    """`req_ids`: the order of the step's requests in the flat batch (default: the
+    scheduler's)."""
+    req_ids = list(so.num_scheduled_tokens) if req_ids is None else req_ids
     num_reqs = len(req_ids)
     query_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, num_reqs)
     computed = np.fromiter((states[r].num_computed_tokens for r in req_ids), np.int64, num_reqs)

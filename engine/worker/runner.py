@@ -147,7 +147,7 @@ class ModelRunner:
         if cpu_kernels and device.type == "cpu" and hasattr(model, "enable_cpu_kernels"):
             logger.info("CPU kernels: %s", model.enable_cpu_kernels())
         # Wrapped after packing: the LoRA delta is added to the packed base product.
-        self.lora = ModelLoRA(model, lora, device) if lora is not None and lora.enabled else None
+        self.lora = ModelLoRA(model, lora) if lora is not None and lora.enabled else None
         if runtime.compile:  # imported here: torch._dynamo alone takes a second to import
             from engine.worker.compiled_model import CompiledModel
 
@@ -240,11 +240,14 @@ class ModelRunner:
 
     # ---- execution ------------------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        """The step's flat inputs; with LoRA, also each row's adapter slot (`ModelLoRA`)."""
-        inputs = build_step_inputs(so, self.states, self.block_size, self.device)
-        if self.lora is not None:
-            query_lens = np.diff(inputs.attn_metadata.query_start_loc_cpu)
-            self.lora.begin_step([self.states[r].lora for r in inputs.req_ids], query_lens)
+        """The step's flat inputs. With LoRA the requests are ordered by adapter slot (each
+        adapter's rows one range) and the step's `LoRABatch` is set (`ModelLoRA`)."""
+        if self.lora is None:
+            return build_step_inputs(so, self.states, self.block_size, self.device)
+        req_ids = list(so.num_scheduled_tokens)
+        req_ids, slots = self.lora.order_step(req_ids, [self.states[r].lora for r in req_ids])
+        inputs = build_step_inputs(so, self.states, self.block_size, self.device, req_ids)
+        self.lora.begin_step(slots, np.diff(inputs.attn_metadata.query_start_loc_cpu))
         return inputs
 
     @torch.inference_mode()

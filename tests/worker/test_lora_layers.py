@@ -18,36 +18,28 @@ CPU = torch.device("cpu")
 
 
 def _batch(request_slots, query_lens):
-    return build_lora_batch(np.array(request_slots), np.array(query_lens), CPU)
+    return build_lora_batch(np.array(request_slots), np.array(query_lens))
 
 
-def test_rows_are_grouped_by_slot_and_padded():
-    # token slots [2 2 2 -1 0 1 0]: requests (slot, rows) = (2, 3), (-1, 1), (0, 1), (1, 1), (0, 1)
-    b = _batch([2, -1, 0, 1, 0], [3, 1, 1, 1, 1])
-    assert b.slots == [0, 1, 2] and b.slot_range == (0, 3) and b.rows_per_slot == 3
-    assert b.padded_rows.tolist() == [4, 6, 4, 5, 4, 4, 0, 1, 2]
-    assert b.num_positions == 9
-    assert b.gather_back.tolist() == [6, 7, 8, 9, 0, 3, 1]  # 9: the zero row
+def test_each_slot_gets_its_range_of_rows():
+    b = _batch([0, 0, 1, 3, -1], [2, 2, 2, 4, 2])
+    assert b.slots == (0, 1, 3)
+    assert b.segments == ((0, 0, 4), (1, 4, 6), (3, 6, 10))
+    assert b.uniform is None  # unequal ranges, and slot 2 is idle
 
 
-def test_balanced_rows_need_no_padding():
-    b = _batch([1, 3, 1, 3, -1], [1, 1, 1, 1, 1])
-    assert b.slot_range == (1, 4)  # slot 2 is idle: its padded rows are dropped
-    b = _batch([1, 2, 1, 2], [1, 1, 1, 1])
-    assert b.padded_rows.tolist() == [0, 2, 1, 3] and b.num_positions == 4
-    assert b.gather_back.tolist() == [0, 2, 1, 3]
+def test_equal_ranges_over_consecutive_slots_make_one_bmm():
+    assert _batch([0, 1, 2, 3], [16, 16, 16, 16]).uniform == (0, 4, 16)
+    assert _batch([1, 1, 2, 2, -1], [1, 1, 1, 1, 1]).uniform == (1, 3, 2)
+    assert _batch([0, 2], [1, 1]).uniform is None
 
 
-def test_a_long_prefill_beside_decodes_goes_slot_by_slot():
-    b = _batch([0, 1, 2, 3], [40, 1, 1, 1])  # padding 4 x 40 rows for 43: one product per slot
-    assert b.padded_rows is None
-    segments = [(slot, rows.tolist(), start) for slot, rows, start in b.segments]
-    assert segments == [(0, list(range(40)), 0), (1, [40], 40), (2, [41], 41), (3, [42], 42)]
-    assert b.gather_back.tolist() == list(range(43))
-
-
-def test_a_step_without_adapters_has_no_batch():
+def test_a_step_without_adapters_has_no_batch_and_order_is_checked():
     assert _batch([-1, -1], [3, 1]) is None
+    with pytest.raises(ValueError, match="ordered by adapter slot"):
+        _batch([1, 0], [1, 1])
+    with pytest.raises(ValueError, match="base model last"):
+        _batch([-1, 0], [1, 1])
 
 
 def test_slots_are_reused_and_evicted_least_recently_used():
@@ -102,7 +94,7 @@ def _reference(base: nn.Module, x: torch.Tensor, row_adapters: list[dict | None]
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(
     "request_slots,query_lens",
-    [([0, 1, 2, -1, 1, 0], [1, 1, 1, 1, 1, 1]), ([2, 0, -1, 1], [9, 1, 2, 1])],
+    [([0, 0, 1, 1, 2, 2, -1], [1, 1, 1, 1, 1, 1, 1]), ([0, 1, 2, -1], [9, 1, 2, 1])],
     ids=["decode-bmm", "prefill-per-slot"],
 )
 def test_lora_linear_adds_each_rows_adapter_to_its_slices(packed, request_slots, query_lens):
@@ -119,7 +111,7 @@ def test_lora_linear_adds_each_rows_adapter_to_its_slices(packed, request_slots,
     for slot, modules in enumerate(adapters):
         layer.load_slot(slot, modules)
     step.batch = _batch(request_slots, query_lens)
-    assert (step.batch.padded_rows is None) == (query_lens[0] == 9)
+    assert (step.batch.uniform is None) == (query_lens[0] == 9)
     x = torch.randn(sum(query_lens), 24)
     rows = [
         None if s < 0 else adapters[s]
@@ -154,10 +146,30 @@ def test_a_bf16_layer_adds_a_float32_delta():
     adapters = _adapters(seed=2)
     for slot, modules in enumerate(adapters):
         layer.load_slot(slot, modules)
-    step.batch = _batch([1, 0, -1, 2], [1, 1, 1, 1])
-    x = torch.randn(4, 24).to(torch.bfloat16)
+    step.batch = _batch([0, 1, 1, -1], [1, 2, 1, 1])
+    x = torch.randn(5, 24).to(torch.bfloat16)
     with torch.inference_mode():
         got = layer(x)
-        want = _reference(base, x, [adapters[1], adapters[0], None, adapters[2]])
+        want = _reference(base, x, [adapters[0], adapters[1], adapters[1], adapters[1], None])
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2)
+
+
+def test_requests_are_ordered_by_slot_with_the_base_model_last(tiny_llama_dir):
+    from transformers import AutoConfig
+
+    from engine.config import LoRAConfig
+    from engine.lora_request import LoRARequest
+    from engine.worker.lora.model_lora import ModelLoRA
+    from engine.worker.lora.peft_adapter import LoRAWeights
+    from engine.worker.models.loader import build_model
+
+    model = build_model(AutoConfig.from_pretrained(tiny_llama_dir), torch.float32, CPU)
+    lora = ModelLoRA(model, LoRAConfig(enabled=True, max_loras=2, max_lora_rank=4))
+    assert isinstance(model.model.layers[1].mlp.gate_up_proj, LoRALinear)
+    assert len(lora.wrappers) == 4 * 2
+    a, b = (LoRAWeights(LoRARequest(k, ord(k), "/x"), k.encode(), 2, {}) for k in "ab")
+    ids, slots = lora.order_step(["r0", "r1", "r2", "r3"], [None, b, a, b])
+    assert ids == ["r1", "r3", "r2", "r0"] and slots.tolist() == [0, 0, 1, -1]
+    ids, slots = lora.order_step(["r0", "r1"], [None, None])
+    assert ids == ["r0", "r1"] and slots.tolist() == [-1, -1]

@@ -10,11 +10,10 @@ per device slot, with one column block per fused slice::
                                              columns of slice j's output (block diagonal)
 
 so q/k/v land in their parts of qkv_proj's output and gate/up in theirs, with one shrink
-and one expand product per slot, and a rank below R leaves zero columns. How the step's
-rows reach the slots is `LoRABatch` (built once per step in `batch.py`): the rows are
-gathered slot by slot into a padded [slots, rows, in] tensor and multiplied by `torch.bmm`
-(or, when that padding would waste more than it saves, one product per active slot), and
-each row reads its delta back.
+and one expand product per slot, and a rank below R leaves zero columns. The step's rows
+come ordered by slot (`LoRABatch`, built once per step in `batch.py`): each slot's rows are
+one range, multiplied by that slot's weights and added in place; equal ranges over
+consecutive slots go through one `torch.bmm` over the slots.
 
 On the CPU the LoRA weights and products are float32 whatever the model's dtype: a bf16
 `bmm` of these small shapes ran ~10x slower than fp32 here (it has no packed fast path),
@@ -107,19 +106,24 @@ class LoRALinear(nn.Module):
         if batch is None or not any(self.filled[s] for s in batch.slots):
             return y
         a, b = self.lora_a, self.lora_b
-        # The deltas in slot order, then one zero row for the rows without an adapter.
-        d = torch.empty(batch.num_positions + 1, y.shape[-1], dtype=a.dtype, device=y.device)
-        d[-1].zero_()
-        if batch.padded_rows is None:
-            for slot, rows, start in batch.segments:
-                xs = x.index_select(0, rows).to(a.dtype)
-                torch.mm(xs @ a[slot], b[slot], out=d[start : start + rows.shape[0]])
-        else:
-            lo, hi = batch.slot_range
-            xg = x.index_select(0, batch.padded_rows).to(a.dtype).view(hi - lo, -1, x.shape[-1])
-            out = d[:-1].view(hi - lo, batch.rows_per_slot, -1)
-            torch.bmm(torch.bmm(xg, a[lo:hi]), b[lo:hi], out=out)
-        return y.add_(d.index_select(0, batch.gather_back))
+        same = y.dtype == a.dtype  # then the expand product accumulates into y directly
+        if batch.uniform is not None:  # equal segments over consecutive slots: one bmm
+            lo, hi, rows = batch.uniform
+            n = (hi - lo) * rows
+            u = torch.bmm(x[:n].to(a.dtype).reshape(hi - lo, rows, -1), a[lo:hi])
+            ys = y[:n].view(hi - lo, rows, -1)
+            if same:
+                ys.baddbmm_(u, b[lo:hi])
+            else:
+                ys.add_(torch.bmm(u, b[lo:hi]))
+            return y
+        for slot, start, stop in batch.segments:
+            u, ys = x[start:stop].to(a.dtype) @ a[slot], y[start:stop]
+            if same:
+                ys.addmm_(u, b[slot])
+            else:
+                ys.add_(u @ b[slot])
+        return y
 
 
 def _slice_sizes(base: nn.Module, slices: tuple[str, ...], out_features: int) -> list[int]:

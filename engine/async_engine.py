@@ -238,14 +238,14 @@ class AsyncEngine:
         self._check_accepting()
         request_id = request_id or uuid.uuid4().hex
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        size = len(prompt)
-        if lora_request is not None and not self.engine.is_lora_loaded(lora_request):
-            size = self.offload_prompt_chars + 1  # its files are read in prepare_request
-        prepared = await self.offload_if_large(
-            size, self.engine.prepare_request, request_id, prompt, params,
-            priority=priority, arrival_time=arrival, cache_salt=cache_salt,
-            lora_request=lora_request,
+        prepare = functools.partial(
+            self.engine.prepare_request, request_id, prompt, params, priority=priority,
+            arrival_time=arrival, cache_salt=cache_salt, lora_request=lora_request,
         )  # fmt: skip
+        if lora_request is not None and not self.engine.is_lora_loaded(lora_request):
+            prepared = await asyncio.to_thread(prepare)  # reads the adapter's files
+        else:
+            prepared = await self.offload_if_large(len(prompt), prepare)
         loop = asyncio.get_running_loop()
         stream = RequestStream(
             request_id, params.n, len(prepared.prompt_token_ids), loop, self.abort

@@ -156,3 +156,42 @@ def test_async_remove_returns_once_the_running_request_finished(tiny_llama_dir, 
         return tokens
 
     assert asyncio.run(main()) == peft_greedy(tiny_llama_dir, paths["a"], [[5, 6, 7]], 8)[0]
+
+
+def test_async_adapter_files_are_read_off_the_event_loop_and_engine_threads(
+    tiny_llama_dir, paths, monkeypatch
+):
+    import threading
+
+    from engine.worker.lora import registry
+
+    readers = []
+    load = registry.load_peft_adapter
+
+    def recording_load(*args, **kw):
+        readers.append(threading.current_thread())
+        return load(*args, **kw)
+
+    monkeypatch.setattr(registry, "load_peft_adapter", recording_load)
+    aeng = AsyncEngine.from_config(
+        build_engine_config(
+            str(tiny_llama_dir),
+            enable_lora=True,
+            num_kv_blocks=64,
+            block_size=4,
+            dtype="float32",
+            max_model_len=128,
+        )  # fmt: skip
+    )
+
+    async def main() -> None:
+        await aeng.add_lora(LoRARequest("a", 1, paths["a"]))
+        b = LoRARequest("b", 2, paths["b"])  # loaded by its first request
+        async for _ in aeng.generate([5, 6, 7], GREEDY, lora_request=b):
+            pass
+        await aeng.shutdown()
+
+    loop_thread = threading.current_thread()
+    asyncio.run(main())
+    assert len(readers) == 2
+    assert all(t is not loop_thread and t is not aeng._thread for t in readers)

@@ -10,7 +10,9 @@ ignored, all at once) three ways, interleaved `--repeats` times:
   lora_off  a second engine with LoRA off, the same batch (what LoRA support itself costs)
 
 Only decode-only steps are timed (`StepSplit` around `LLMEngine.step`); the figure is
-decode tokens/s, median over repeats, and the goal is lora >= 0.8 x base. The adapters are
+decode tokens/s, median over repeats, and the goal is lora >= 0.8 x base. The ratio of the
+median decode step (batch / median step time, median over repeats) is reported beside it:
+a neighbour's burst moves it far less. The adapters are
 random PEFT directories written once under the bench cache (the engine reads them as it
 would any PEFT adapter).
 
@@ -25,6 +27,7 @@ import argparse
 import json
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,18 +91,41 @@ def make_llm(path: Path, dtype: str, args: argparse.Namespace, lora: bool):
     )  # fmt: skip
 
 
-def decode_run(llm, split: StepSplit, prompts, params, loras) -> dict[str, Any]:
-    split.reset()
+class DecodeSteps:
+    """StepSplit's totals plus each decode-only step's wall time: the median step is far
+    less moved by a neighbour's burst than the total is."""
+
+    def __init__(self, engine: Any):
+        self.split = StepSplit(engine)
+        if not self.split.ok:
+            raise RuntimeError("cannot time engine steps (LLMEngine.step moved)")
+        self.times: list[float] = []
+        inner = engine.step
+
+        def step(*a: Any, **kw: Any) -> Any:
+            before = self.split.decode_steps
+            t0 = time.perf_counter()
+            out = inner(*a, **kw)
+            if self.split.decode_steps > before:
+                self.times.append(time.perf_counter() - t0)
+            return out
+
+        engine.step = step
+
+    def reset(self) -> None:
+        self.split.reset()
+        self.times = []
+
+
+def decode_run(llm, steps: DecodeSteps, prompts, params, loras) -> dict[str, Any]:
+    steps.reset()
     with LoadMeter() as meter:
         llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-    return {**split.as_dict(), **meter.as_dict()}
-
-
-def _split(llm) -> StepSplit:
-    split = StepSplit(llm.engine)
-    if not split.ok:
-        raise RuntimeError("cannot time engine steps (LLMEngine.step / scheduler.schedule moved)")
-    return split
+    d = steps.split.as_dict()
+    step_s = median(steps.times)
+    d["median_step_ms"] = round(1e3 * step_s, 2)
+    d["median_step_tok_s"] = round(d["mean_decode_batch"] / step_s, 1)
+    return {**d, **meter.as_dict()}
 
 
 def measure(path: Path, info: dict[str, Any], dtype: str, args) -> dict[str, Any]:
@@ -124,26 +150,32 @@ def measure(path: Path, info: dict[str, Any], dtype: str, args) -> dict[str, Any
     llm = make_llm(path, dtype, args, lora=True)
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate(prompts[:8], warm, use_tqdm=False, lora_request=per_request[:8])
-    split = _split(llm)
+    steps = DecodeSteps(llm.engine)
     for r in range(args.repeats):
         for mode, with_loras in (("base", None), ("lora", per_request)):
-            runs[mode].append(decode_run(llm, split, prompts, params, with_loras))
-            log(f"  {dtype} {mode} #{r}: {runs[mode][-1]['decode_tok_s']} tok/s "
-                f"(other cores {runs[mode][-1]['other_cores']})")  # fmt: skip
+            runs[mode].append(decode_run(llm, steps, prompts, params, with_loras))
+            _log_run(dtype, mode, r, runs[mode][-1])
     del llm
     off = make_llm(path, dtype, args, lora=False)
     off.generate(prompts[:8], warm, use_tqdm=False)
-    split = _split(off)
+    steps = DecodeSteps(off.engine)
     for r in range(args.repeats):
-        runs["lora_off"].append(decode_run(off, split, prompts, params, None))
-        log(f"  {dtype} lora_off #{r}: {runs['lora_off'][-1]['decode_tok_s']} tok/s")
+        runs["lora_off"].append(decode_run(off, steps, prompts, params, None))
+        _log_run(dtype, "lora_off", r, runs["lora_off"][-1])
     tok_s = {mode: median(x["decode_tok_s"] for x in rs) for mode, rs in runs.items()}
+    step_tok_s = {mode: median(x["median_step_tok_s"] for x in rs) for mode, rs in runs.items()}
     return {
-        "dtype": dtype, "runs": runs, "decode_tok_s": tok_s,
+        "dtype": dtype, "runs": runs, "decode_tok_s": tok_s, "median_step_tok_s": step_tok_s,
         "lora_vs_base": round(tok_s["lora"] / tok_s["base"], 3),
+        "lora_vs_base_median_step": round(step_tok_s["lora"] / step_tok_s["base"], 3),
         "base_vs_lora_off": round(tok_s["base"] / tok_s["lora_off"], 3),
         "other_cores_max": max(x["other_cores"] for rs in runs.values() for x in rs),
     }  # fmt: skip
+
+
+def _log_run(dtype: str, mode: str, r: int, run: dict[str, Any]) -> None:
+    log(f"  {dtype} {mode} #{r}: {run['decode_tok_s']} tok/s, median step "
+        f"{run['median_step_ms']} ms (other cores {run['other_cores']})")  # fmt: skip
 
 
 def main() -> None:
@@ -178,8 +210,9 @@ def main() -> None:
         t = res["decode_tok_s"]
         print(f"{args.model} {dtype}: base {t['base']} tok/s, {args.adapters} x r{args.rank} "
               f"adapters {t['lora']} tok/s = {res['lora_vs_base']:.2f}x base (goal >= {GOAL}: "
-              f"{'met' if res['lora_vs_base'] >= GOAL else 'NOT met'}); LoRA off "
-              f"{t['lora_off']} tok/s; other cores up to {res['other_cores_max']}")  # fmt: skip
+              f"{'met' if res['lora_vs_base'] >= GOAL else 'NOT met'}; by median step "
+              f"{res['lora_vs_base_median_step']:.2f}x); LoRA off {t['lora_off']} tok/s; "
+              f"other cores up to {res['other_cores_max']}")  # fmt: skip
         rec = base_record("lora_throughput")
         rec.update({"model": args.model, "model_info": info, "versions": versions(),
                     "batch": args.batch, "adapters": args.adapters, "rank": args.rank,

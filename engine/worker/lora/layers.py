@@ -16,7 +16,7 @@ one range, multiplied by that slot's weights and added in place; equal ranges ov
 consecutive slots go through one `torch.bmm` over the slots.
 
 On the CPU the LoRA weights and products are float32 whatever the model's dtype: a bf16
-`bmm` of these small shapes ran ~10x slower than fp32 here (it has no packed fast path),
+`bmm` of these small shapes ran ~3x slower than fp32 here (it has no packed fast path),
 and the delta is small next to the base product, so converting x's rows is cheaper. On
 CUDA they are in the model's dtype.
 """

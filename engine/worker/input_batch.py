@@ -9,6 +9,7 @@ metadata, with NumPy doing the per-token work so the cost per request stays a fe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ from engine.core.step_io import SchedulerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.worker.attention.base import AttentionMetadata
 from engine.worker.structured.matcher import GrammarState
+
+if TYPE_CHECKING:
+    from engine.worker.lora.peft_adapter import LoRAWeights
 
 
 @dataclass
@@ -31,6 +35,8 @@ class CachedRequestState:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Structured outputs: the request's matcher, advanced by each sampled token.
     grammar: GrammarState | None = None
+    # The request's LoRA adapter (None: the base model).
+    lora: LoRAWeights | None = None
 
 
 @dataclass
@@ -53,8 +59,11 @@ def build_step_inputs(
     states: dict[str, CachedRequestState],
     block_size: int,
     device: torch.device,
+    req_ids: list[str] | None = None,
 ) -> StepInputs:
-    req_ids = list(so.num_scheduled_tokens)
+    """`req_ids`: the order of the step's requests in the flat batch (default: the
+    scheduler's)."""
+    req_ids = list(so.num_scheduled_tokens) if req_ids is None else req_ids
     num_reqs = len(req_ids)
     query_lens = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, num_reqs)
     computed = np.fromiter((states[r].num_computed_tokens for r in req_ids), np.int64, num_reqs)

@@ -13,9 +13,13 @@ decides what the appliance owns (the engine owns the weights):
   holder could make the server read any file it can. The engine is given the resolved
   path, so a symlink swapped after the check cannot point it elsewhere.
 - the order of a load or an unload with requests: a name is routable only once the
-  engine holds the adapter, and stops being routable the moment its unload starts; the
-  engine then refuses new requests for it and the unload returns once the requests
-  already running with it have finished.
+  engine holds the adapter, and stops being routable the moment its unload starts. A
+  frontend hands a request to the engine inside `admitting(lora)`, which refuses it if the
+  adapter was unloaded since the request resolved its name; the unload waits for those
+  brackets to close before it asks the engine to remove the adapter, so no request can
+  reach the engine for an adapter it no longer holds (the engine would read it from disk
+  again, behind the registry's back). The engine's removal then returns once the requests
+  running with the adapter have finished.
 
 Refusals are `AdapterError`s carrying the HTTP status vLLM answers them with (the
 vocabulary of `/v1/load_lora_adapter`); a frontend without those routes maps it to its own.
@@ -28,7 +32,8 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 from appliance.config import ConfigError
@@ -74,7 +79,11 @@ class AdapterRegistry:
         self._modules = dict(lora.modules)
         # Resolved once, so that an allowed directory reached through a symlink still matches.
         self._allowed = tuple(os.path.realpath(d) for d in lora.allowed_dirs)
-        self._lock = threading.Lock()  # HTTP and gRPC may run on different event loops
+        # HTTP and gRPC may run on different event loops: a thread lock, and a condition
+        # an unload waits on (in a worker thread) for admissions to end.
+        self._lock = threading.Lock()
+        self._admissions_done = threading.Condition(self._lock)
+        self._admitting: dict[str, int] = {}  # requests being handed to the engine
         self._ids = itertools.count(1)
         self._loaded: dict[str, LoRARequest] = {}  # routable, in load order
         self._busy: set[str] = set()  # being loaded or unloaded
@@ -89,6 +98,32 @@ class AdapterRegistry:
         """The loaded adapters, in load order."""
         with self._lock:
             return list(self._loaded.values())
+
+    @contextmanager
+    def admitting(self, lora: LoRARequest) -> Iterator[None]:
+        """Brackets handing requests for `lora` to the engine (see the module docstring);
+        a 404 model_not_found when the adapter was unloaded since `get` returned it."""
+        name = lora.lora_name
+        with self._lock:
+            if self._loaded.get(name) is not lora:
+                raise AdapterError(
+                    404, "model_not_found",
+                    f"The model `{name}` does not exist (its adapter was unloaded)", "model",
+                )  # fmt: skip
+            self._admitting[name] = self._admitting.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._admitting[name] -= 1
+                if not self._admitting[name]:
+                    del self._admitting[name]
+                    self._admissions_done.notify_all()
+
+    def _wait_admissions(self, name: str) -> None:
+        """Blocks (a worker thread) until no request for `name` is being admitted."""
+        with self._lock:
+            self._admissions_done.wait_for(lambda: name not in self._admitting)
 
     def count_request(self, lora: LoRARequest) -> None:
         """One engine request admitted with `lora` (the per-adapter request counter)."""
@@ -180,6 +215,7 @@ class AdapterRegistry:
 
     async def _unload_reserved(self, lora: LoRARequest) -> None:
         try:
+            await asyncio.to_thread(self._wait_admissions, lora.lora_name)
             await self._engine.remove_lora(lora.lora_name)
             logger.info("adapter unloaded", extra={"fields": {"name": lora.lora_name}})
         finally:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import nullcontext
 from typing import Any
 
 import grpc
@@ -46,6 +47,8 @@ def _field_of(param: str | None, parsed: LLMRequest | None = None) -> str:
         return c.field if c is not None else "sampling_parameters"
     if param in _SAMPLING_FIELDS:
         return f"sampling_parameters.{param}"
+    if param in ("model", "lora_request"):  # the adapter model_name selected
+        return "model_name"
     if param in (None, "prompt"):
         return "text_input"
     return param
@@ -216,10 +219,11 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         error: str | None = None
         try:
             salt = _cache_salt(req, carrier, self._salt_by_key)
-            stream = await self._engine.add_request(
-                parsed.text, parsed.params, rid, cache_salt=salt,
-                **({"lora_request": lora} if lora else {}),
-            )  # fmt: skip
+            with self._adapters.admitting(lora) if lora else nullcontext():
+                stream = await self._engine.add_request(
+                    parsed.text, parsed.params, rid, cache_salt=salt,
+                    **({"lora_request": lora} if lora else {}),
+                )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)
             if parsed.stream:

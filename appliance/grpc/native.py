@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +190,8 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                 return f"sampling.{kind}" if kind else "sampling"
             if param in _SAMPLING_FIELDS:
                 return f"sampling.{param}"
+            if param in ("model", "lora_request"):  # the adapter the call selected
+                return "adapter" if request.adapter else "model"
             if param in (None, "prompt", "messages"):
                 return prompt_field
             return param
@@ -210,10 +213,11 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             if rid in self._active:
                 raise invalid("request_id", f"{rid!r} is already in flight")
             call = self._active[rid] = _Call()
-            stream = await self._engine.add_request(
-                prompt, params, rid, priority=request.priority, cache_salt=salt,
-                **({"lora_request": lora} if lora else {}),
-            )  # fmt: skip
+            with self._adapters.admitting(lora) if lora else nullcontext():
+                stream = await self._engine.add_request(
+                    prompt, params, rid, priority=request.priority, cache_salt=salt,
+                    **({"lora_request": lora} if lora else {}),
+                )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)
             call.stream = stream

@@ -14,14 +14,10 @@ from starlette.responses import PlainTextResponse, Response
 
 from appliance.adapters import AdapterError
 from appliance.http.body import read_json
-from appliance.http.errors import INVALID_REQUEST, APIError, from_engine_error
+from appliance.http.errors import from_engine_error
 from appliance.http.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from appliance.http.serving import state_of
 from engine.errors import EngineError
-
-
-def _api_error(e: AdapterError) -> APIError:
-    return APIError(e.status, e.message, INVALID_REQUEST, e.param, e.code)
 
 
 async def load_lora_adapter(request: Request) -> Response:
@@ -33,9 +29,7 @@ async def load_lora_adapter(request: Request) -> Response:
             state.server.body_timeout_s,
         )  # fmt: skip
         await state.adapters.load(req.lora_name, req.lora_path)
-    except AdapterError as e:
-        raise _api_error(e) from None
-    except EngineError as e:  # the engine is dead or shutting down
+    except (AdapterError, EngineError) as e:  # EngineError: dead or shutting down
         raise from_engine_error(e) from None
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
@@ -50,8 +44,6 @@ async def unload_lora_adapter(request: Request) -> Response:
             state.server.body_timeout_s,
         )  # fmt: skip
         await state.adapters.unload(req.lora_name)
-    except AdapterError as e:
-        raise _api_error(e) from None
-    except EngineError as e:
+    except (AdapterError, EngineError) as e:
         raise from_engine_error(e) from None
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

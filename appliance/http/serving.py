@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -147,23 +148,24 @@ async def submit(
         raise APIError(503, "the server is shutting down", type_=UNAVAILABLE, code="shutting_down")
     streams: list[RequestStream] = []
     try:
-        for i, prompt in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            if state.tracer is not None and trace is not None:
-                state.tracer.register(rid, dict(trace[0].headers), params, trace[1])
-            streams.append(
-                await state.aeng.add_request(
-                    prompt,
-                    params,
-                    rid,
-                    priority=priority,
-                    arrival_time=arrival_time,
-                    cache_salt=cache_salt,
-                    **({"lora_request": lora_request} if lora_request else {}),
-                )  # fmt: skip
-            )
-            if lora_request is not None:
-                state.adapters.count_request(lora_request)
+        with state.adapters.admitting(lora_request) if lora_request else nullcontext():
+            for i, prompt in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                if state.tracer is not None and trace is not None:
+                    state.tracer.register(rid, dict(trace[0].headers), params, trace[1])
+                streams.append(
+                    await state.aeng.add_request(
+                        prompt,
+                        params,
+                        rid,
+                        priority=priority,
+                        arrival_time=arrival_time,
+                        cache_salt=cache_salt,
+                        **({"lora_request": lora_request} if lora_request else {}),
+                    )  # fmt: skip
+                )
+                if lora_request is not None:
+                    state.adapters.count_request(lora_request)
     except BaseException as e:
         abort_all(streams)
         if state.tracer is not None:

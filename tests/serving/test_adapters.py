@@ -261,3 +261,36 @@ def test_requests_are_counted_per_adapter_name(tmp_path) -> None:
     for lora in (a, b, a):
         reg.count_request(lora)
     assert reg.request_counts() == {"a": 2, "b": 1}
+
+
+# ---- admissions -------------------------------------------------------------------------------
+def test_a_request_resolved_before_an_unload_is_refused_after_it(tmp_path) -> None:
+    reg = _registry(StandInEngine(), tmp_path, modules={"sql": "/a/sql"})
+    asyncio.run(reg.load_modules())
+    lora = reg.get("sql")
+    assert lora is not None
+    asyncio.run(reg.unload("sql"))
+    with pytest.raises(AdapterError) as info, reg.admitting(lora):
+        pass
+    assert info.value.status == 404 and info.value.code == "model_not_found"
+
+
+def test_an_unload_waits_for_admissions_before_the_engine_removes_the_adapter(tmp_path) -> None:
+    engine = StandInEngine()
+    reg = _registry(engine, tmp_path, modules={"sql": "/a/sql"})
+
+    async def go() -> None:
+        await reg.load_modules()
+        engine.hold_remove = True
+        engine.release.set()  # remove_lora itself does not wait; only the admission may
+        lora = reg.get("sql")
+        with reg.admitting(lora):  # a request being handed to the engine
+            unload = asyncio.create_task(reg.unload("sql"))
+            for _ in range(20):  # without the wait, remove_lora would run within these
+                await asyncio.sleep(0)
+            assert reg.get("sql") is None  # already unroutable
+            assert not engine.entered.is_set() and engine.removed == []
+        await unload
+        assert engine.removed == ["sql"]
+
+    asyncio.run(go())

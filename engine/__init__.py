@@ -4,11 +4,13 @@
 load on first use, so `import engine` stays cheap for the torch-free core.
 """
 
+from engine.lora_request import LoRARequest
 from engine.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "LLMEngine",
+    "LoRARequest",
     "SamplingParams",
     "StructuredOutputsParams",
     "BeamSearchParams",

@@ -29,6 +29,12 @@ The stream each caller holds (`RequestStream`) and what finish listeners get
 both are importable from here too. What this module needs of the engine it drives is the
 `SteppedEngine` protocol (LLMEngine, or the tests' fake).
 
+LoRA adapters: `add_lora` reads an adapter's files on a worker thread (the engine's CPU
+cache is thread-safe), never on the event loop or the engine thread; so does `add_request`
+for an adapter not loaded yet. `remove_lora` goes through the inbox like an abort: the
+engine thread refuses new requests for the adapter at once, and the call returns when the
+last request using it has left (those requests finish untouched).
+
 This module imports no HTTP code and no torch (the LLMEngine is passed in or built lazily).
 """
 
@@ -52,6 +58,7 @@ from engine.errors import (
     RequestFailedError,
     UnsatisfiableRequestError,
 )
+from engine.lora_request import LoRARequest
 from engine.output.request_output import OutputAccumulator, RequestDelta
 from engine.request_stream import (  # FinishedRequest and RequestStream are re-exported
     FinishedRequest,
@@ -90,6 +97,13 @@ class _InFlight:
 
 
 @dataclass
+class _RemoveLoRA:
+    lora_name: str
+    done: asyncio.Future  # resolved once no request uses the adapter
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
 class _Abort:
     request_id: str | None  # None: every request in flight
     exc: BaseException | None = None  # delivered to the stream, if it is still listening
@@ -112,10 +126,11 @@ class AsyncEngine:
         self.offload_prompt_chars = offload_prompt_chars
         self._step_started: float | None = None  # monotonic start of the running step
         self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[_Add | _Abort | _RemoveLoRA] = []
         self._pending = 0  # adds in the inbox, not yet handed to the engine
         self._streams: dict[str, _InFlight] = {}  # engine thread writes; others read len
         self._listeners: list[Callable[[FinishedRequest], None]] = []
+        self._removals: list[_RemoveLoRA] = []  # engine thread: adapters still in use
         self._stats = engine.stats()
         self._accepting = True
         self._stopping = False
@@ -209,19 +224,27 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | tuple[str, ...] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validates, queues and returns the request's stream once the engine holds it.
-        Only requests with equal `cache_salt`s share cached prompt blocks.
+        Only requests with equal `cache_salt`s (and the same adapter) share cached prompt
+        blocks. `lora_request`: the LoRA adapter to run (read from disk on a worker thread
+        when not loaded yet).
 
-        Raises InvalidRequestError (never servable), QueueFullError (try later) or
-        EngineDeadError before anything is streamed, so a frontend can still pick a status.
+        Raises InvalidRequestError (never servable; LoRAError for the adapter),
+        QueueFullError (try later) or EngineDeadError before anything is streamed, so a
+        frontend can still pick a status.
         """
         self._check_accepting()
         request_id = request_id or uuid.uuid4().hex
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        size = len(prompt)
+        if lora_request is not None and not self.engine.is_lora_loaded(lora_request):
+            size = self.offload_prompt_chars + 1  # its files are read in prepare_request
         prepared = await self.offload_if_large(
-            len(prompt), self.engine.prepare_request, request_id, prompt, params,
+            size, self.engine.prepare_request, request_id, prompt, params,
             priority=priority, arrival_time=arrival, cache_salt=cache_salt,
+            lora_request=lora_request,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         stream = RequestStream(
@@ -248,11 +271,13 @@ class AsyncEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Yields the request's deltas until it finishes; closing it aborts the request."""
         stream = await self.add_request(
-            prompt, params, request_id, priority=priority, arrival_time=arrival_time
-        )
+            prompt, params, request_id, priority=priority, arrival_time=arrival_time,
+            lora_request=lora_request,
+        )  # fmt: skip
         try:
             async for out in stream:
                 yield out
@@ -264,6 +289,29 @@ class AsyncEngine:
         with self._cond:
             self._inbox.append(_Abort(request_id))
             self._cond.notify()
+
+    # ---- LoRA adapters --------------------------------------------------------------------
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Reads and checks the adapter on a worker thread; LoRAError names what is wrong.
+        Adding the same name and path again does nothing."""
+        self._check_accepting()
+        await asyncio.to_thread(self.engine.add_lora, lora)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Refuses new requests for the adapter at once (LoRAError) and returns once no
+        request uses it any more; requests already running with it finish untouched.
+        LoRANotFoundError when no such adapter is loaded."""
+        self._check_accepting()
+        loop = asyncio.get_running_loop()
+        item = _RemoveLoRA(lora_name, loop.create_future(), loop)
+        with self._cond:
+            self._inbox.append(item)
+            self._cond.notify()
+        await item.done
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded (those being removed are left out)."""
+        return self.engine.list_loras()
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Stops accepting, lets in-flight requests finish for up to `grace_s`, aborts the rest."""
@@ -299,6 +347,8 @@ class AsyncEngine:
                 self._handle_inbox(inbox, out)
                 if self._has_work() and not stopping:
                     self._step(out)
+                if self._removals:
+                    self._settle_removals(out)
                 self._stats = self.engine.stats()
                 self._flush(out)
                 if stopping or self._dead is not None:
@@ -310,12 +360,15 @@ class AsyncEngine:
     def _has_work(self) -> bool:
         return self._dead is None and self.engine.has_unfinished_requests()
 
-    def _handle_inbox(self, inbox: list[_Add | _Abort], out: dict) -> None:
+    def _handle_inbox(self, inbox: list[_Add | _Abort | _RemoveLoRA], out: dict) -> None:
         for item in inbox:
             if isinstance(item, _Abort):
                 ids = list(self._streams) if item.request_id is None else [item.request_id]
                 for rid in ids:
                     self._abort_one(rid, item.exc, out)
+                continue
+            if isinstance(item, _RemoveLoRA):
+                self._begin_removal(item, out)
                 continue
             with self._cond:
                 self._pending -= 1
@@ -334,6 +387,26 @@ class AsyncEngine:
                 logger.exception("add_prepared failed")
                 err = RequestFailedError(f"the engine could not add the request: {e}")
             out[item.stream.loop].append(functools.partial(_ack, item.ack, err))
+
+    def _begin_removal(self, item: _RemoveLoRA, out: dict) -> None:
+        """Engine thread: the adapter is refused from here on; done once unused."""
+        try:
+            self.engine.remove_lora(item.lora_name)
+        except Exception as e:  # LoRANotFoundError, or LoRA off
+            out[item.loop].append(functools.partial(_ack, item.done, e))
+            return
+        self._removals.append(item)
+
+    def _settle_removals(self, out: dict) -> None:
+        """Engine thread: completes the removals whose adapter no request uses any more."""
+        pending = []
+        for item in self._removals:
+            if self._dead is None and self.engine.lora_in_use(item.lora_name):
+                pending.append(item)
+                continue
+            err = None if self._dead is None else EngineDeadError("the engine is not running")
+            out[item.loop].append(functools.partial(_ack, item.done, err))
+        self._removals = pending
 
     def _abort_one(self, rid: str, exc: BaseException | None, out: dict) -> None:
         held = self._streams.pop(rid, None)
@@ -421,8 +494,11 @@ class AsyncEngine:
                 with self._cond:
                     self._pending -= 1
                 out[item.stream.loop].append(functools.partial(_ack, item.ack, exc))
+            elif isinstance(item, _RemoveLoRA):
+                out[item.loop].append(functools.partial(_ack, item.done, exc))
         for rid in list(self._streams):
             self._abort_one(rid, exc, out)
+        self._settle_removals(out)
         self._flush(out)
 
     def _flush(self, out: dict) -> None:

@@ -30,6 +30,20 @@ class UnsatisfiableRequestError(InvalidRequestError):
     INVALID_ARGUMENT, not a server error."""
 
 
+class LoRAError(InvalidRequestError):
+    """An adapter that cannot be used as asked: unreadable or unsupported PEFT files, a rank
+    above `lora.max_lora_rank`, shapes that do not fit the base model, LoRA off, a name
+    taken by another path, or an adapter being removed. The message names the problem;
+    frontends answer HTTP 400 / gRPC INVALID_ARGUMENT."""
+
+    def __init__(self, message: str, param: str | None = "lora_request"):
+        super().__init__(message, param)
+
+
+class LoRANotFoundError(LoRAError):
+    """No adapter of that name is loaded (`remove_lora` of an unknown name): HTTP 404."""
+
+
 class QueueFullError(EngineError):
     """The waiting queue is at `scheduler.max_queue_len` (HTTP 429 / RESOURCE_EXHAUSTED)."""
 

@@ -4,6 +4,11 @@ from engine import LLM, SamplingParams
 llm = LLM()                                   # the default model
 out = llm.generate(["The capital of France is"], SamplingParams(temperature=0))
 print(out[0].outputs[0].text)
+
+With adapters (PEFT LoRA directories), as in vLLM:
+
+llm = LLM(model, enable_lora=True, max_loras=4, max_lora_rank=16)
+llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.llm_engine import LLMEngine
+from engine.lora_request import LoRARequest
 from engine.output.request_output import OutputAccumulator, RequestOutput
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -92,16 +98,19 @@ class LLM:
         prompts: str | dict | Sequence[str | dict | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; results come back in input order."""
+        """Runs every prompt to completion; results come back in input order.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params = _broadcast(sampling_params, len(prompts))
+        loras = _per_prompt_loras(lora_request, len(prompts))
         pending: dict[str, OutputAccumulator] = {}
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p, lora in zip(prompts, params, loras, strict=True):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, lora_request=lora)
             pending[rid] = OutputAccumulator(rid, p.n)
         return self._run(pending, use_tqdm)
 
@@ -111,6 +120,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or many; applies the model's chat template."""
@@ -123,7 +133,7 @@ class LLM:
             }
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self, prompts: Sequence[str | dict | list[int]], params: BeamSearchParams
@@ -147,6 +157,17 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in pending]
+
+
+def _per_prompt_loras(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
+    return loras
 
 
 def _broadcast(

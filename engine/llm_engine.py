@@ -4,7 +4,12 @@ One `step()` is: schedule -> execute on the model -> update the scheduler with t
 tokens -> detokenize and check stop strings -> one `RequestDelta` per request that progressed
 (only what is new; see `engine.output.request_output`). `prepare_request` is pure
 validation and tokenization and may run on another thread than `step`; everything else
-belongs to the thread that steps.
+belongs to the thread that steps, except the LoRA calls that say otherwise.
+
+LoRA (`lora.enabled`): `add_lora` reads and checks an adapter into the host-memory cache
+(`engine.worker.lora.registry`, thread-safe: files are read on the caller's thread), a
+request names its adapter with `lora_request` (loaded on first use), `remove_lora` refuses
+new requests for it at once and drops it when its last request leaves.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -22,12 +27,15 @@ from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.step_io import SchedulerOutput
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, LoRAError
+from engine.lora_request import LoRARequest
 from engine.output.processor import OutputProcessor
 from engine.output.request_output import RequestDelta
 from engine.output.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.worker.kv_sizing import KVGeometry, size_cpu_kv_cache, size_gpu_kv_cache
+from engine.worker.lora.model_lora import check_lora_runtime
+from engine.worker.lora.registry import LoRARegistry
 from engine.worker.models.loader import load_model
 from engine.worker.runner import ModelRunner
 from engine.worker.structured.compiler import GrammarCompiler
@@ -41,6 +49,8 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     requests: list[Request]  # one per sample (n)
+    # Its LoRA adapter's removal count when prepared: a removal since refuses it when added.
+    lora_epoch: int = 0
 
 
 @dataclass
@@ -55,6 +65,9 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # LoRA adapter name -> requests (samples) running / waiting with it; empty without LoRA.
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,6 +86,7 @@ class LLMEngine:
             torch.set_num_threads(rt.num_threads)
         torch.manual_seed(config.model.seed)
         self.device = resolve_device(rt.device)
+        check_lora_runtime(config, self.device)
         t0 = time.perf_counter()
         loaded = load_model(config.model, self.device)
         self.hf_config = loaded.hf_config
@@ -90,6 +104,12 @@ class LLMEngine:
             block_size,
             rt,
             eos_token_ids=self.tokenizer.eos_token_ids,
+            lora=config.lora,
+        )
+        lora = self.runner.lora
+        # The adapters in host memory; None when LoRA is off.
+        self.loras = (
+            LoRARegistry(lora.shapes, config.lora, loaded.dtype) if lora is not None else None
         )
         geom = KVGeometry(
             model.num_layers, block_size, model.num_kv_heads, model.head_dim, loaded.dtype
@@ -100,7 +120,12 @@ class LLMEngine:
         # Attention backend and decode graphs as they ended up, with any fallback's reason.
         self.accelerator = self.runner.status
         self.kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv_manager,
+            self.max_model_len,
+            max_loras=config.lora.max_loras if lora is not None else None,
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         # Structured outputs: grammars compiled in prepare_request (off the engine thread).
         self.grammars = GrammarCompiler(
@@ -137,8 +162,13 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | tuple[str, ...] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
-        """Validates and tokenizes; raises InvalidRequestError naming the field. Thread-safe."""
+        """Validates and tokenizes; raises InvalidRequestError naming the field. Thread-safe.
+        A `lora_request` not loaded yet is read from its directory here (LoRAError if bad)."""
+        lora, epoch = None, 0
+        if lora_request is not None:
+            lora, epoch = self._lora_registry().acquire(lora_request)
         text, ids = self.tokenize_prompt(prompt)
         if params.n > self.config.scheduler.max_n:
             raise InvalidRequestError(
@@ -173,10 +203,11 @@ class LLMEngine:
                     rid, ids, p, eos_token_ids=eos, arrival_time=arrival,
                     priority=priority, cache_salt=cache_salt,
                     fork_from=None if i == 0 else requests[0].request_id, max_tokens=max_tokens,
-                    grammar=grammar,
+                    grammar=grammar, lora_request=lora_request,
+                    lora_key=None if lora is None else lora.key, lora=lora,
                 )
             )  # fmt: skip
-        return PreparedRequest(request_id, text, ids, requests)
+        return PreparedRequest(request_id, text, ids, requests, epoch)
 
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids); raises InvalidRequestError. Thread-safe."""
@@ -210,6 +241,9 @@ class LLMEngine:
         QueueFullError when the waiting queue is full (`engine.core.admission`); a request
         with n samples is queued whole or not at all."""
         admission.check_new_id(prepared.request_id, self.outputs.groups)
+        lora = prepared.requests[0].lora_request
+        if lora is not None:  # removed while this request was on its way: refused
+            self._lora_registry().check_admit(lora.lora_name, prepared.lora_epoch)
         added = []
         try:
             for req in prepared.requests:
@@ -232,6 +266,7 @@ class LLMEngine:
             for cid in self.outputs.child_ids(rid):
                 self.scheduler.abort(cid)
             self.outputs.remove_group(rid)
+        self._settle_lora_removals()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -265,6 +300,7 @@ class LLMEngine:
             if delta.finished:
                 self.outputs.remove_group(gid)
         self._step_output = None
+        self._settle_lora_removals()
         return results
 
     def fail_step(self, message: str) -> list[RequestDelta]:
@@ -297,10 +333,52 @@ class LLMEngine:
             group.error, group.error_is_request = message, request_error
             results.append(group.take_delta())
             self.outputs.remove_group(gid)
+        self._settle_lora_removals()
         return results
+
+    # ---- LoRA adapters --------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Reads and checks the adapter into host memory (LoRAError naming the problem).
+        Loading the same name and path again does nothing. Thread-safe."""
+        self._lora_registry().acquire(lora)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Engine thread. New requests for it are refused from now on (LoRAError); requests
+        already holding it finish untouched, and it is dropped when the last one leaves
+        (`lora_in_use` turns False). LoRANotFoundError when no such adapter is loaded."""
+        self._lora_registry().begin_remove(lora_name)
+        self._settle_lora_removals()
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded in host memory (not those being removed). Thread-safe."""
+        return [] if self.loras is None else self.loras.list()
+
+    def is_lora_loaded(self, lora: LoRARequest) -> bool:
+        """True when `lora` is in host memory as given (no file to read for it). Thread-safe."""
+        return self.loras is not None and self.loras.is_loaded(lora)
+
+    def lora_in_use(self, lora_name: str) -> bool:
+        """Engine thread. True while a request held by the engine runs the adapter."""
+        return self.scheduler.uses_adapter(lora_name)
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise LoRAError("LoRA adapters are off: set lora.enabled (LLM(enable_lora=True))")
+        return self.loras
+
+    def _settle_lora_removals(self) -> None:
+        """Drops the adapters being removed that no request uses any more."""
+        if self.loras is None:
+            return
+        for name in self.loras.draining():
+            if not self.scheduler.uses_adapter(name):
+                self.loras.finish_remove(name)
 
     def stats(self) -> EngineStats:
         kv = self.kv_manager.stats()
+        lora_running, lora_waiting = (
+            self.scheduler.adapter_counts() if self.loras is not None else ({}, {})
+        )
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -312,6 +390,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            lora_running=lora_running,
+            lora_waiting=lora_waiting,
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from engine.lora_request import LoRARequest
 from engine.output.request_output import RequestDelta
 from engine.sampling_params import SamplingParams
 
@@ -47,6 +48,7 @@ class SteppedEngine(Protocol):
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | tuple[str, ...] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedLike: ...
 
     def add_prepared(self, prepared: Any) -> None: ...
@@ -64,3 +66,15 @@ class SteppedEngine(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+    # LoRA adapters (LLMEngine's; a stand-in needs them only where a test uses adapters).
+    # add_lora, list_loras and is_lora_loaded may run on any thread.
+    def add_lora(self, lora: LoRARequest) -> None: ...
+
+    def remove_lora(self, lora_name: str) -> None: ...
+
+    def list_loras(self) -> list[LoRARequest]: ...
+
+    def is_lora_loaded(self, lora: LoRARequest) -> bool: ...
+
+    def lora_in_use(self, lora_name: str) -> bool: ...

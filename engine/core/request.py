@@ -13,6 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -69,6 +70,9 @@ class Request:
         fork_from: str | None = None,
         max_tokens: int | None = None,
         grammar: object | None = None,
+        lora_request: LoRARequest | None = None,
+        lora_key: bytes | None = None,
+        lora: object | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
@@ -83,6 +87,17 @@ class Request:
         # blocks. A tuple when the server salts by API key too: (the key's, the user's).
         self.cache_salt: tuple[str, ...] = (
             (cache_salt,) if isinstance(cache_salt, str) else tuple(cache_salt or ())
+        )
+        # The adapter it runs (None: the base model): its name for metrics and removals, its
+        # content key for the prefix cache, and its weights (opaque here: the runner's type).
+        self.lora_request = lora_request
+        self.lora_key = lora_key
+        self.lora = lora
+        # Everything a block's hash depends on besides tokens, in one tuple: the salts, then
+        # the adapter (so two adapters never share cached KV, and a salt never collides
+        # with an adapter key: bytes and strings encode differently).
+        self.cache_keys: tuple[str | bytes, ...] = self.cache_salt + (
+            (lora_key,) if lora_key is not None else ()
         )
         self.fork_from = fork_from
         # The compiled structured-outputs grammar (opaque here: the runner's type), or None.

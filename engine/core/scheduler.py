@@ -27,11 +27,16 @@ freed, so the KV manager never keeps blocks whose K/V may be unwritten as cached
 computed all but the last prompt token (as of the start of this step, since copy-on-write
 copies run before the forward and can't copy K/V that is written in it), then computes only
 that last token, copying the shared partial block first.
+
+LoRA: with `max_loras` set, the running requests use at most that many distinct adapters
+(the runner's device slots); a waiting request for one more is skipped, keeping its place,
+until a running adapter's requests are gone.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -70,12 +75,21 @@ class Scheduler:
     preempted requests in policy order. Every unfinished request is in `requests`.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        max_loras: int | None = None,
+    ):
+        """`max_loras`: distinct LoRA adapters the running requests may use at once (the
+        runner's slots); None when LoRA is off."""
         if max_model_len < 2:
             raise ValueError("max_model_len: must be >= 2 (one prompt and one output token)")
         self.config = config
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = make_queue(config.policy)
@@ -101,6 +115,17 @@ class Scheduler:
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
+
+    def adapter_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per LoRA adapter name: (running, waiting); the base model is left out."""
+        return _count_adapters(self.running), _count_adapters(self.waiting)
+
+    def uses_adapter(self, lora_name: str) -> bool:
+        """True while any unfinished request runs the adapter named `lora_name`."""
+        return any(
+            r.lora_request is not None and r.lora_request.lora_name == lora_name
+            for r in self.requests.values()
+        )
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -233,10 +258,16 @@ class Scheduler:
         waiting, running = self.waiting, self.running
         max_seqs = self.config.max_num_seqs
         skipped: list[Request] = []
+        adapters = None if self.max_loras is None else {r.lora_key for r in running} - {None}
         while waiting and step.budget > 0 and len(running) < max_seqs:
             req = waiting.peek()
             leader = self._fork_leader(req)
-            if leader is False:
+            if leader is False or (
+                adapters is not None
+                and req.lora_key is not None
+                and req.lora_key not in adapters
+                and len(adapters) >= self.max_loras
+            ):
                 skipped.append(waiting.pop())
                 continue
             if leader is None:
@@ -247,6 +278,8 @@ class Scheduler:
                 break
             waiting.pop()
             running.append(req)
+            if adapters is not None and req.lora_key is not None:
+                adapters.add(req.lora_key)
             req.status = _RUNNING
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = now
@@ -340,6 +373,7 @@ class Scheduler:
                     kv.get_block_ids(rid),
                     start,
                     req.grammar,
+                    req.lora,
                 )
             )
             req.num_computed_tokens = start + num_scheduled[rid]
@@ -472,3 +506,7 @@ class Scheduler:
         """Aborts a request in any state; None if it is unknown or already finished."""
         done = self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
         return done[0] if done else None
+
+
+def _count_adapters(requests: Iterable[Request]) -> dict[str, int]:
+    return dict(Counter(r.lora_request.lora_name for r in requests if r.lora_request is not None))

@@ -35,6 +35,9 @@ class NewRequestData:
     # The request's compiled structured-outputs grammar, passed through untouched (the
     # runner builds its matcher from it and replays output_token_ids), or None.
     grammar: object | None = None
+    # The request's LoRA adapter weights, passed through untouched (the runner's type), or
+    # None for the base model.
+    lora: object | None = None
 
 
 @dataclass

@@ -9,6 +9,7 @@ metadata, with NumPy doing the per-token work so the cost per request stays a fe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +18,9 @@ from engine.core.step_io import SchedulerOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.worker.attention.base import AttentionMetadata
 from engine.worker.structured.matcher import GrammarState
+
+if TYPE_CHECKING:
+    from engine.worker.lora.peft_adapter import LoRAWeights
 
 
 @dataclass
@@ -31,6 +35,8 @@ class CachedRequestState:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Structured outputs: the request's matcher, advanced by each sampled token.
     grammar: GrammarState | None = None
+    # The request's LoRA adapter (None: the base model).
+    lora: LoRAWeights | None = None
 
 
 @dataclass

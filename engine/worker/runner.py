@@ -13,13 +13,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from engine.config import ConfigError, RuntimeConfig
+from engine.config import ConfigError, LoRAConfig, RuntimeConfig
 from engine.core.step_io import PromptLogprobsChunk, RunnerOutput, SchedulerOutput
 from engine.worker.attention.base import AttentionBackend, AttentionLayerSpec, ForwardContext
 from engine.worker.decode_graphs import GraphRunner, build_graph_runner
 from engine.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
+from engine.worker.lora.model_lora import ModelLoRA
 from engine.worker.sampler import (
     PROMPT_LOGPROBS_CHUNK,
     Sampler,
@@ -119,11 +121,13 @@ class ModelRunner:
         eos_token_ids: Iterable[int] = (),
         backend: AttentionBackend | None = None,
         flashinfer_module: Any = None,
+        lora: LoRAConfig | None = None,
     ):
         """`eos_token_ids`: the model's EOS ids, masked until a request reaches min_tokens.
         `backend`: the attention backend (default: `select_attention_backend` for
         runtime.attention_backend, probed with the model's layers). `flashinfer_module`: a
-        stand-in for the flashinfer module (tests)."""
+        stand-in for the flashinfer module (tests). `lora`: with `enabled`, the model's
+        linears run LoRA adapters (`engine.worker.lora`; no decode graphs then)."""
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -142,6 +146,8 @@ class ModelRunner:
         self.status = AcceleratorStatus(choice.backend.name, choice.fallback_reason)
         if cpu_kernels and device.type == "cpu" and hasattr(model, "enable_cpu_kernels"):
             logger.info("CPU kernels: %s", model.enable_cpu_kernels())
+        # Wrapped after packing: the LoRA delta is added to the packed base product.
+        self.lora = ModelLoRA(model, lora, device) if lora is not None and lora.enabled else None
         if runtime.compile:  # imported here: torch._dynamo alone takes a second to import
             from engine.worker.compiled_model import CompiledModel
 
@@ -186,7 +192,8 @@ class ModelRunner:
         try:
             self.graph_runner = build_graph_runner(
                 self.model, self.backend, self.kv_caches, self.device,
-                enabled=self.runtime.cuda_graphs, sizes=self.runtime.capture_sizes,
+                enabled=self.runtime.cuda_graphs and self.lora is None,
+                sizes=self.runtime.capture_sizes,
                 block_size=self.block_size, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, graph_factory=graph_factory,
             )  # fmt: skip
@@ -222,6 +229,7 @@ class ModelRunner:
                 params=new.sampling_params,
                 generator=gen,
                 grammar=_grammar_state(new.grammar, new.sampling_params, new.output_token_ids),
+                lora=new.lora,
             )
         for cached in so.scheduled_cached_reqs:
             st = self.states[cached.request_id]
@@ -232,7 +240,12 @@ class ModelRunner:
 
     # ---- execution ------------------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        return build_step_inputs(so, self.states, self.block_size, self.device)
+        """The step's flat inputs; with LoRA, also each row's adapter slot (`ModelLoRA`)."""
+        inputs = build_step_inputs(so, self.states, self.block_size, self.device)
+        if self.lora is not None:
+            query_lens = np.diff(inputs.attn_metadata.query_start_loc_cpu)
+            self.lora.begin_step([self.states[r].lora for r in inputs.req_ids], query_lens)
+        return inputs
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -241,12 +254,11 @@ class ModelRunner:
             return RunnerOutput()
         self._copy_blocks(so.block_copies)
         inputs = self.prepare_inputs(so)
-        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
-            hidden = self.graph_runner.run(inputs)  # a static buffer: used before next step
-        else:
-            self.backend.begin_step(inputs.attn_metadata)
-            ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
-            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        try:
+            hidden = self._forward(inputs)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         out = RunnerOutput()
         self._prompt_logprobs(inputs, hidden, out)
         if not inputs.sample_rows:
@@ -273,6 +285,13 @@ class ModelRunner:
         if any(lp is not None for lp in logprobs):
             out.logprobs = logprobs
         return out
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
+            return self.graph_runner.run(inputs)  # a static buffer: used before next step
+        self.backend.begin_step(inputs.attn_metadata)
+        ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
+        return self.model(inputs.input_ids, inputs.positions, ctx)
 
     def _sampling_row(self, st: CachedRequestState) -> SamplingRow:
         """The sampler's view of one request: its token ids (the state's own list, not a

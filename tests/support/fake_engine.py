@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, ModelConfig, SchedulerConfig
-from engine.errors import InvalidRequestError, QueueFullError
+from engine.errors import InvalidRequestError, LoRAError, QueueFullError
 from engine.output.request_output import RequestDelta, RequestMetrics, SampleDelta
 from engine.sampling_params import SamplingParams
 from engine.worker.status import AcceleratorStatus
@@ -102,8 +102,18 @@ class FakeLLMEngine:
         self.requests: list[_Req] = []
 
     def prepare_request(
-        self, request_id, prompt, params, *, priority=0, arrival_time=None, cache_salt=None
-    ):  # cache_salt: the fake has no prefix cache
+        self,
+        request_id,
+        prompt,
+        params,
+        *,
+        priority=0,
+        arrival_time=None,
+        cache_salt=None,  # the fake has no prefix cache
+        lora_request=None,
+    ):
+        if lora_request is not None:
+            raise LoRAError("the fake engine serves no LoRA adapters")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("prompt must not be empty", "prompt")
@@ -123,6 +133,9 @@ class FakeLLMEngine:
             max_tokens,
             arrival,
         )
+
+    def is_lora_loaded(self, lora) -> bool:
+        return False  # it has none: a request naming one is refused in prepare_request
 
     def add_prepared(self, req: _Req) -> None:
         if len(self.waiting) >= self.config.scheduler.max_queue_len:

@@ -248,6 +248,15 @@ def hf_greedy(
     model_dir = Path(model_dir)
     model = _hf_model(str(model_dir.resolve()), dtype)
     eos = set() if ignore_eos else _eos_ids(model_dir)
+    return model_greedy(model, prompt_token_ids_list, max_new_tokens, eos)
+
+
+@torch.no_grad()
+def model_greedy(
+    model: Any, prompt_token_ids_list: list[list[int]], max_new_tokens: int, eos: set[int]
+) -> list[list[int]]:
+    """Greedy continuation of each prompt by a transformers (or PEFT) model, one prompt at
+    a time with its KV cache; stops after a token in `eos` (included)."""
     results = []
     for prompt in prompt_token_ids_list:
         from transformers import DynamicCache

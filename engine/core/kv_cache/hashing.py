@@ -14,8 +14,9 @@ with probability about 2**-177; no one can construct one on purpose either (unli
 ``hash()`` or a 64-bit xxhash, which a client could attack to read another prompt's KV).
 So a hit is trusted without comparing tokens, which would cost memory on every cached block.
 
-``extra_keys`` is whatever else the KV depends on besides the tokens: the request's
-``cache_salt`` (tenants that must not share cache entries) or, later, a LoRA id.
+``extra_keys`` is whatever else the KV depends on besides the tokens (`Request.cache_keys`):
+the request's ``cache_salt`` (tenants that must not share cache entries), then its LoRA
+adapter's content key (adapters change every layer's K/V).
 """
 
 from __future__ import annotations

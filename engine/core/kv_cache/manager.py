@@ -64,7 +64,7 @@ class _ReqState:
         # Chained hashes of the request's full blocks, computed once, valid for the life of
         # the request (tokens are only ever appended), also across preemption.
         self.hashes: list[BlockHash] = []
-        self.extra_keys: bytes | None = None  # encoded lazily, from request.cache_salt
+        self.extra_keys: bytes | None = None  # encoded lazily, from request.cache_keys
         # Table blocks [0, num_cached) are past registration: registered, or left
         # unregistered because another block already held their hash.
         self.num_cached = 0
@@ -255,7 +255,7 @@ class KVCacheManager:
         num_full = num_tokens // bs
         cst.num_trusted = num_full
         cst.num_cached = min(pst.num_cached, num_full)
-        if child.cache_salt == parent.cache_salt and not cst.hashes:
+        if child.cache_keys == parent.cache_keys and not cst.hashes:
             cst.hashes = pst.hashes[: min(len(pst.hashes), num_full)]
         return [b.block_id for b in shared]
 
@@ -328,7 +328,7 @@ class KVCacheManager:
         have = len(hashes)
         if have < n:
             if st.extra_keys is None:
-                st.extra_keys = encode_extra_keys(st.request.cache_salt)
+                st.extra_keys = encode_extra_keys(st.request.cache_keys)
             bs = self.block_size
             tokens = st.request.all_token_ids[have * bs : n * bs]
             parent = hashes[-1] if hashes else None

@@ -5,9 +5,9 @@ a request's `model` against the same set and a load or unload is seen by all at 
 decides what the appliance owns (the engine owns the weights):
 
 - ids: the appliance numbers adapters 1, 2, ... in load order (the YAML's `lora.modules`
-  first, in their order) and never hands an id out twice. The id is part of the prefix
-  cache's block key, so an adapter unloaded and loaded again under the same name (maybe
-  from changed files) gets a new id and can never read the old one's cached KV.
+  first, in their order) and never hands an id out twice, so an id always means one
+  adapter for as long as the process lives, in logs as in the engine (which refuses an id
+  that another adapter holds). A name unloaded and loaded again gets a new id.
 - the path policy of runtime loads: an absolute path whose real location (symlinks and
   `..` resolved) lies under one of `lora.allowed_dirs`, else a 403; without it any API-key
   holder could make the server read any file it can. The engine is given the resolved

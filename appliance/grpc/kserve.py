@@ -222,7 +222,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             with self._adapters.admitting(lora) if lora else nullcontext():
                 stream = await self._engine.add_request(
                     parsed.text, parsed.params, rid, cache_salt=salt,
-                    **({"lora_request": lora} if lora else {}),
+                    lora_request=lora,
                 )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)

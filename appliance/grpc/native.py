@@ -216,7 +216,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             with self._adapters.admitting(lora) if lora else nullcontext():
                 stream = await self._engine.add_request(
                     prompt, params, rid, priority=request.priority, cache_salt=salt,
-                    **({"lora_request": lora} if lora else {}),
+                    lora_request=lora,
                 )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)

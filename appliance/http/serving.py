@@ -161,7 +161,7 @@ async def submit(
                         priority=priority,
                         arrival_time=arrival_time,
                         cache_salt=cache_salt,
-                        **({"lora_request": lora_request} if lora_request else {}),
+                        lora_request=lora_request,
                     )  # fmt: skip
                 )
                 if lora_request is not None:

@@ -5,6 +5,8 @@ preemptions, tokens) are read from `AsyncEngine.stats()` at scrape time by a cus
 collector, so they are never stale and cost nothing between scrapes; per-request latency
 histograms and outcomes are fed by an AsyncEngine finish listener from the engine's own
 monotonic timestamps (arrival, first scheduled, first token, last token, finished).
+With LoRA on, the per-adapter series come from the same snapshot (running, waiting) and
+from the adapter registry (requests admitted per adapter, counted by every frontend).
 A per-app registry (not the global one) lets tests and several apps in one process coexist.
 """
 

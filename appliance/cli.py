@@ -111,18 +111,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cors=bool(cfg.server.cors_origins),
     )
 
+    from appliance.adapters import AdapterRegistry
     from appliance.grpc.server import GrpcSettings, start_grpc_server
     from appliance.http.server import EngineDiedError
     from appliance.telemetry import instrument_app, setup_tracing
 
     tracing = setup_tracing(cfg.telemetry)  # None when telemetry.otlp_endpoint is unset
+    adapters = AdapterRegistry(aeng, cfg.lora, aeng.model_name)
 
     async def main() -> None:
-        app = instrument_app(build_app(aeng, cfg.server, tracing=tracing), tracing)
+        try:
+            await adapters.load_modules()  # a bad one: ConfigError naming lora.modules.<name>
+        except BaseException:
+            await aeng.shutdown()
+            raise
+        if adapters.adapters():
+            log_event(
+                logger, "adapters ready", names=",".join(a.lora_name for a in adapters.adapters())
+            )
+        app = instrument_app(
+            build_app(aeng, cfg.server, tracing=tracing, adapters=adapters), tracing
+        )
         grpc_server = None
         if cfg.server.grpc_port is not None:
             grpc_server = await start_grpc_server(
-                aeng, GrpcSettings.from_server_config(cfg.server), tracing
+                aeng, GrpcSettings.from_server_config(cfg.server), tracing, adapters
             )
 
         def grace() -> float:

@@ -5,6 +5,8 @@ preemptions, tokens) are read from `AsyncEngine.stats()` at scrape time by a cus
 collector, so they are never stale and cost nothing between scrapes; per-request latency
 histograms and outcomes are fed by an AsyncEngine finish listener from the engine's own
 monotonic timestamps (arrival, first scheduled, first token, last token, finished).
+With LoRA on, the per-adapter series come from the same snapshot (running, waiting) and
+from the adapter registry (requests admitted per adapter, counted by every frontend).
 A per-app registry (not the global one) lets tests and several apps in one process coexist.
 
 Beside our own `appliance_*` names, three engine gauges are also exported under vLLM's
@@ -16,7 +18,9 @@ a replica. They come from the same stats snapshot as ours, so the two never disa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -28,9 +32,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from appliance.adapters import AdapterRegistry
 from engine.async_engine import AsyncEngine
 from engine.request_stream import FinishedRequest
 from engine.worker.status import AcceleratorStatus
+
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineStats
 
 PREFIX = "appliance"
 
@@ -50,8 +58,9 @@ LATENCY_BUCKETS = (
 class _EngineCollector(Collector):
     """Reads the engine's snapshot at scrape time."""
 
-    def __init__(self, aeng: AsyncEngine):
+    def __init__(self, aeng: AsyncEngine, adapters: AdapterRegistry | None):
         self.aeng = aeng
+        self.adapters = adapters
 
     def collect(self) -> Iterator[Metric]:
         s = self.aeng.stats()
@@ -78,6 +87,43 @@ class _EngineCollector(Collector):
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        if self.adapters is not None and self.adapters.enabled:
+            yield from _lora_metrics(s, self.adapters)
+
+
+def _lora_metrics(s: EngineStats, adapters: AdapterRegistry) -> Iterator[Metric]:
+    """Requests per adapter (admitted, running, waiting), and vLLM's `lora_requests_info`
+    under vLLM's own name, so that gateways that route by adapter (the Gateway API
+    inference extension reads it) understand this server as they do vLLM: the adapters with
+    running and with waiting requests as comma-separated label values, `max_lora` the
+    adapter slots of a step, the value the time of the snapshot (one series, the latest)."""
+    admitted = CounterMetricFamily(
+        f"{PREFIX}_lora_requests",
+        "Engine requests admitted per LoRA adapter (an n > 1 or batched prompt counts each).",
+        labels=["adapter"],
+    )
+    for name, count in sorted(adapters.request_counts().items()):
+        admitted.add_metric([name], count)
+    yield admitted
+    for state, counts in (("running", s.lora_running), ("waiting", s.lora_waiting)):
+        family = GaugeMetricFamily(
+            f"{PREFIX}_lora_requests_{state}",
+            f"Requests {state} per LoRA adapter (adapters with none are absent).",
+            labels=["adapter"],
+        )
+        for name, count in sorted(counts.items()):
+            if count:
+                family.add_metric([name], count)
+        yield family
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on LoRA requests (vLLM's name and labels); the value is the time.",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    running = ",".join(sorted(n for n, c in s.lora_running.items() if c))
+    waiting = ",".join(sorted(n for n, c in s.lora_waiting.items() if c))
+    info.add_metric([running, waiting, str(adapters.max_loras)], time.time())
+    yield info
 
 
 def _vllm_gauges(running: int, waiting: int, kv_usage: float, model: str) -> Iterator[Metric]:
@@ -116,7 +162,12 @@ def _accelerator_metrics(acc: AcceleratorStatus) -> Iterator[Metric]:
 class ApplianceMetrics:
     """The registry, its metrics, and the finish listener that feeds the histograms."""
 
-    def __init__(self, aeng: AsyncEngine, registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        aeng: AsyncEngine,
+        registry: CollectorRegistry | None = None,
+        adapters: AdapterRegistry | None = None,
+    ):
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests_finished = Counter(
@@ -155,7 +206,7 @@ class ApplianceMetrics:
             ["route", "status"],
             registry=r,
         )
-        r.register(_EngineCollector(aeng))
+        r.register(_EngineCollector(aeng, adapters))
         aeng.add_finish_listener(self.on_finished)
 
     def on_finished(self, f: FinishedRequest) -> None:

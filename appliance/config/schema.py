@@ -87,6 +87,12 @@ class LoRASection:
         )
         _require(all(self.modules), "lora.modules", "adapter names must be non-empty")
         _require(all(self.allowed_dirs), "lora.allowed_dirs", "entries must be non-empty")
+        _require(
+            bool(self.allowed_dirs) or not self.allow_runtime_updates,
+            "lora.allowed_dirs",
+            "must list at least one directory when lora.allow_runtime_updates is true "
+            "(runtime loads read only from under them)",
+        )
 
     def engine_config(self) -> LoRAConfig:
         return LoRAConfig(

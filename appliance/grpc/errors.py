@@ -14,6 +14,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from appliance.adapters import AdapterError
 from engine.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -24,6 +25,7 @@ from engine.sampling_params import SamplingParamsError
 
 # Errors a request can raise before or while it streams, and the status each becomes.
 ENGINE_ERRORS = (
+    AdapterError,
     InvalidRequestError,
     SamplingParamsError,
     QueueFullError,
@@ -44,6 +46,9 @@ class RpcError(Exception):
         return self.message
 
 
+_ADAPTER_CODES = {404: grpc.StatusCode.NOT_FOUND, 403: grpc.StatusCode.PERMISSION_DENIED}
+
+
 def invalid(field: str, reason: str) -> RpcError:
     """INVALID_ARGUMENT whose message starts with the field path."""
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {reason}", field)
@@ -51,6 +56,11 @@ def invalid(field: str, reason: str) -> RpcError:
 
 def from_engine_error(exc: BaseException, field_of: Callable[[str | None], str]) -> RpcError:
     """Maps an engine error; `field_of` turns the engine's param name into a request path."""
+    if isinstance(exc, AdapterError):  # the adapter registry's refusal, an HTTP status
+        field = field_of(exc.param)
+        code = _ADAPTER_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT)
+        keep = field if code is grpc.StatusCode.INVALID_ARGUMENT else None
+        return RpcError(code, f"{field}: {exc.message}", keep)
     if isinstance(exc, SamplingParamsError):
         return invalid(field_of(exc.param), exc.reason)
     if isinstance(exc, InvalidRequestError):

@@ -15,11 +15,14 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import nullcontext
 from typing import Any
 
 import grpc
 
 from appliance import structured
+from appliance.adapters import AdapterRegistry
+from appliance.config.schema import LoRASection
 from appliance.grpc import errors
 from appliance.grpc.auth import cache_salt_of
 from appliance.grpc.errors import RpcError, invalid
@@ -28,6 +31,7 @@ from appliance.grpc.kserve_tensors import INPUTS, OUTPUTS, LLMRequest, infer_res
 from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from appliance.telemetry import Tracing, record_request_span
+from engine.lora_request import LoRARequest
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
@@ -43,6 +47,8 @@ def _field_of(param: str | None, parsed: LLMRequest | None = None) -> str:
         return c.field if c is not None else "sampling_parameters"
     if param in _SAMPLING_FIELDS:
         return f"sampling_parameters.{param}"
+    if param in ("model", "lora_request"):  # the adapter model_name selected
+        return "model_name"
     if param in (None, "prompt"):
         return "text_input"
     return param
@@ -75,22 +81,30 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         tracing: Tracing | None = None,
         server_version: str = "0.1.0",
         cache_salt_by_api_key: bool = False,
+        adapters: AdapterRegistry | None = None,
     ):
         self._engine = async_engine
         self._model = model_name
         self._tracing = tracing
         self._version = server_version
         self._salt_by_key = cache_salt_by_api_key
+        self._adapters = adapters or AdapterRegistry(async_engine, LoRASection(), model_name)
 
     def _known(self, name: str, version: str) -> bool:
-        return name == self._model and version in _VERSIONS
+        """The base model and every loaded LoRA adapter are models here, each version "1"."""
+        return version in _VERSIONS and (
+            name == self._model or self._adapters.get(name) is not None
+        )
 
-    def _check_model(self, name: str, version: str) -> None:
-        if not self._known(name, version):
+    def _check_model(self, name: str, version: str) -> LoRARequest | None:
+        """The adapter `name` selects (None: the base model); NOT_FOUND for anything else."""
+        lora = self._adapters.get(name) if version in _VERSIONS else None
+        if lora is None and not (name == self._model and version in _VERSIONS):
             raise RpcError(
                 grpc.StatusCode.NOT_FOUND,
                 f"Request for unknown model: '{name}' version '{version}' is not found",
             )
+        return lora
 
     # ---- health and metadata ----------------------------------------------------------------
     async def ServerLive(self, request: Any, context: Any) -> kpb.ServerLiveResponse:
@@ -113,7 +127,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             self._check_model(request.name, request.version)
         except RpcError as e:
             await errors.abort(context, e)
-        meta = kpb.ModelMetadataResponse(name=self._model, versions=["1"], platform="appliance")
+        meta = kpb.ModelMetadataResponse(name=request.name, versions=["1"], platform="appliance")
         for name, datatype, shape in INPUTS:
             meta.inputs.add(name=name, datatype=datatype, shape=shape)
         for name, datatype, shape in OUTPUTS:
@@ -128,11 +142,11 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         result = None
         parsed: LLMRequest | None = None
         try:
-            self._check_model(request.model_name, request.model_version)
+            lora = self._check_model(request.model_name, request.model_version)
             parsed = parse_request(request)
             if parsed.stream:
                 raise errors.invalid("stream", "ModelInfer is unary; stream with ModelStreamInfer")
-            async for resp in self._generate(request, parsed, context.invocation_metadata()):
+            async for resp in self._generate(request, parsed, context.invocation_metadata(), lora):
                 result = resp
         except RpcError as e:
             await errors.abort(context, e)
@@ -182,9 +196,9 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
         parsed: LLMRequest | None = None
         try:
-            self._check_model(req.model_name, req.model_version)
+            lora = self._check_model(req.model_name, req.model_version)
             parsed = parse_request(req)
-            async for resp in self._generate(req, parsed, carrier):
+            async for resp in self._generate(req, parsed, carrier, lora):
                 emit(kpb.ModelStreamInferResponse(infer_response=resp))
         except RpcError as e:
             fail(e.message)
@@ -195,7 +209,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             fail(INTERNAL_MESSAGE)
 
     async def _generate(
-        self, req: kpb.ModelInferRequest, parsed: LLMRequest, carrier: Any
+        self, req: kpb.ModelInferRequest, parsed: LLMRequest, carrier: Any, lora: LoRARequest | None
     ) -> AsyncIterator[kpb.ModelInferResponse]:
         # Client ids ("1", "2", ...) collide across clients; the engine gets its own.
         rid = f"kserve-{uuid.uuid4().hex}"
@@ -205,9 +219,13 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         error: str | None = None
         try:
             salt = _cache_salt(req, carrier, self._salt_by_key)
-            stream = await self._engine.add_request(
-                parsed.text, parsed.params, rid, cache_salt=salt
-            )
+            with self._adapters.admitting(lora) if lora else nullcontext():
+                stream = await self._engine.add_request(
+                    parsed.text, parsed.params, rid, cache_salt=salt,
+                    lora_request=lora,
+                )  # fmt: skip
+            if lora is not None:
+                self._adapters.count_request(lora)
             if parsed.stream:
                 async for delta in stream:
                     if not delta.outputs:
@@ -234,7 +252,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                 record_request_span(
                     self._tracing, carrier, stream.output() if self._tracing else None,
                     operation="text_completion",
-                    model=self._model, params=parsed.params, request_id=rid,
+                    model=req.model_name, params=parsed.params, request_id=rid,
                     error=error, aborted=stream.aborted and not error,
                 )  # fmt: skip
 
@@ -251,7 +269,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         reasons = [r or "" for r in stream.finish_reasons()]
         return infer_response(
             req,
-            self._model,
+            req.model_name,  # the base model's or the adapter's, as asked
             texts,
             finish_reasons=reasons if flags.get("return_finish_reason") else None,
             num_input_tokens=stream.num_prompt_tokens

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from appliance import structured
+from appliance.adapters import AdapterRegistry
+from appliance.config.schema import LoRASection
 from appliance.dialect.chat_output import ChatDialect, DialectError, constrain
 from appliance.grpc import errors
 from appliance.grpc.auth import cache_salt_of
@@ -31,6 +34,7 @@ from appliance.grpc.native_chat import (
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
 from appliance.telemetry import Tracing, record_request_span
+from engine.lora_request import LoRARequest
 from engine.output.request_output import SampleDelta
 from engine.request_stream import RequestStream, TokenCounts
 from engine.sampling_params import SamplingParams
@@ -99,9 +103,11 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         tracing: Tracing | None = None,
         cache_salt_by_api_key: bool = False,
         chat_parsers: ChatParsers | None = None,
+        adapters: AdapterRegistry | None = None,
     ):
         self._engine = async_engine
         self._model = model_name
+        self._adapters = adapters or AdapterRegistry(async_engine, LoRASection(), model_name)
         self._tracing = tracing
         self._salt_by_key = cache_salt_by_api_key
         self._parsers = chat_parsers or ChatParsers()
@@ -113,11 +119,26 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
     def _tokenizer(self) -> Any:
         return self._engine.tokenizer
 
-    def _check_model(self, model: str) -> None:
-        if model and model != self._model:
+    def _resolve(self, model: str, adapter: str = "") -> LoRARequest | None:
+        """The adapter a call selects (`adapter`, else a `model` naming one), None for the
+        base model; NOT_FOUND for a name that is neither."""
+        if adapter:
+            if model not in ("", self._model, adapter):
+                raise invalid("adapter", f"{adapter!r} conflicts with model {model!r}")
+            lora = self._adapters.get(adapter)
+            if lora is None:
+                raise RpcError(
+                    grpc.StatusCode.NOT_FOUND, f"adapter: no LoRA adapter {adapter!r} is loaded"
+                )
+            return lora
+        if not model or model == self._model:
+            return None
+        lora = self._adapters.get(model)
+        if lora is None:
             raise RpcError(
                 grpc.StatusCode.NOT_FOUND, f"model: {model!r} is not served here ({self._model!r})"
             )
+        return lora
 
     async def _render_chat(self, chat: pb.Chat, dialect: ChatDialect | None = None) -> list[int]:
         """The template's token ids; `dialect` (its tools) read from `chat` when not given."""
@@ -159,6 +180,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         call: _Call | None = None
         error: str | None = None
         dialect: ChatDialect | None = None
+        served = request.adapter or request.model or self._model  # for the span
 
         def field_of(param: str | None) -> str:
             if structured.is_engine_param(param):
@@ -168,12 +190,14 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                 return f"sampling.{kind}" if kind else "sampling"
             if param in _SAMPLING_FIELDS:
                 return f"sampling.{param}"
+            if param in ("model", "lora_request"):  # the adapter the call selected
+                return "adapter" if request.adapter else "model"
             if param in (None, "prompt", "messages"):
                 return prompt_field
             return param
 
         try:
-            self._check_model(request.model)
+            lora = self._resolve(request.model, request.adapter)
             if request.WhichOneof("prompt") == "chat":
                 dialect = dialect_of(request.chat, self._parsers, self._tokenizer)
             prompt, operation, prompt_field = await self._prompt(request, dialect)
@@ -189,9 +213,13 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             if rid in self._active:
                 raise invalid("request_id", f"{rid!r} is already in flight")
             call = self._active[rid] = _Call()
-            stream = await self._engine.add_request(
-                prompt, params, rid, priority=request.priority, cache_salt=salt
-            )
+            with self._adapters.admitting(lora) if lora else nullcontext():
+                stream = await self._engine.add_request(
+                    prompt, params, rid, priority=request.priority, cache_salt=salt,
+                    lora_request=lora,
+                )  # fmt: skip
+            if lora is not None:
+                self._adapters.count_request(lora)
             call.stream = stream
             if call.abort_asked:
                 stream.abort()
@@ -218,7 +246,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                     record_request_span(
                         self._tracing, context.invocation_metadata(),
                         stream.output() if self._tracing else None,
-                        operation=operation, model=self._model, params=params,
+                        operation=operation, model=served, params=params,
                         request_id=rid, error=error, aborted=stream.aborted and not error,
                     )  # fmt: skip
 
@@ -255,7 +283,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         try:
-            self._check_model(request.model)
+            self._resolve(request.model)  # any served name; one tokenizer
             kind = request.WhichOneof("input")
             if kind == "chat":
                 ids = await self._render_chat(request.chat)
@@ -281,7 +309,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
         try:
-            self._check_model(request.model)
+            self._resolve(request.model)  # any served name; one tokenizer
             ids = list(request.token_ids)
             text = await self._engine.offload_if_large(len(ids), self._detokenize, ids)
         except RpcError as e:
@@ -298,10 +326,21 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        model = pb.Model(
-            id=self._model, max_model_len=self._engine.max_model_len, owned_by="appliance"
-        )
-        return pb.ListModelsResponse(models=[model])
+        max_len = self._engine.max_model_len
+        models = [
+            pb.Model(
+                id=self._model, max_model_len=max_len, owned_by="appliance",
+                root=self._engine.config.model.path or "",
+            )
+        ]  # fmt: skip
+        for lora in self._adapters.adapters():
+            models.append(
+                pb.Model(
+                    id=lora.lora_name, max_model_len=max_len, owned_by="appliance",
+                    parent=self._model, root=lora.lora_path,
+                )
+            )  # fmt: skip
+        return pb.ListModelsResponse(models=models)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from appliance.adapters import AdapterRegistry
+from appliance.config.schema import LoRASection
 from appliance.grpc.auth import ApiKeyInterceptor
 from appliance.grpc.guard import GuardInterceptor
 from appliance.grpc.kserve import KServeServicer
@@ -118,13 +120,18 @@ def _interceptors(settings: GrpcSettings, tracing: Tracing | None) -> list[Any]:
 
 
 async def start_grpc_server(
-    async_engine: Any, settings: GrpcSettings, tracing: Tracing | None = None
+    async_engine: Any,
+    settings: GrpcSettings,
+    tracing: Tracing | None = None,
+    adapters: AdapterRegistry | None = None,
 ) -> grpc.aio.Server:
     """Builds, binds and starts the server on the running loop; stop it with `server.stop(grace)`.
 
-    The bound port (useful with port 0) is set as `server.bound_port`.
+    `adapters` (shared with the HTTP frontend): the LoRA adapters a call may select; none
+    when not given. The bound port (useful with port 0) is set as `server.bound_port`.
     """
     model = settings.model_name or async_engine.model_name
+    adapters = adapters or AdapterRegistry(async_engine, LoRASection(), model)
     options: Iterable[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", settings.max_receive_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
@@ -135,14 +142,24 @@ async def start_grpc_server(
     server = grpc.aio.server(interceptors=_interceptors(settings, tracing), options=options)
     appliance_pb2_grpc.add_ApplianceServicer_to_server(
         ApplianceServicer(
-            async_engine, model, tracing, settings.cache_salt_by_api_key, settings.chat_parsers
-        ),
+            async_engine,
+            model,
+            tracing,
+            settings.cache_salt_by_api_key,
+            settings.chat_parsers,
+            adapters,
+        ),  # fmt: skip
         server,
     )
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
         KServeServicer(
-            async_engine, model, tracing, settings.server_version, settings.cache_salt_by_api_key
-        ),
+            async_engine,
+            model,
+            tracing,
+            settings.server_version,
+            settings.cache_salt_by_api_key,
+            adapters,
+        ),  # fmt: skip
         server,
     )
     health_servicer = health.aio.HealthServicer()

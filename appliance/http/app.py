@@ -19,8 +19,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from appliance.adapters import AdapterRegistry
 from appliance.config import ServerConfig
-from appliance.http import routes
+from appliance.config.schema import LoRASection
+from appliance.http import adapters, routes
 from appliance.http.chat import create_chat_completion
 from appliance.http.completions import create_completion
 from appliance.http.errors import (
@@ -48,6 +50,8 @@ ENDPOINTS = {
     ("POST", "/v1/chat/completions"): create_chat_completion,
     ("GET", "/v1/models"): routes.list_models,
     ("GET", "/v1/models/{model}"): routes.retrieve_model,
+    ("POST", "/v1/load_lora_adapter"): adapters.load_lora_adapter,
+    ("POST", "/v1/unload_lora_adapter"): adapters.unload_lora_adapter,
     ("POST", "/tokenize"): routes.tokenize,
     ("POST", "/detokenize"): routes.detokenize,
     ("GET", "/health"): routes.health,
@@ -65,14 +69,17 @@ def build_app(
     version: str | None = None,
     metrics: ApplianceMetrics | None = None,
     tracing: Tracing | None = None,
+    adapters: AdapterRegistry | None = None,
 ) -> Starlette:
-    """An ASGI app serving `aeng`; `metrics` defaults to a fresh per-app registry."""
+    """An ASGI app serving `aeng`; `metrics` defaults to a fresh per-app registry, `adapters`
+    (shared with the gRPC frontend) to none and no runtime loading."""
     server = server or ServerConfig()
     version = version or _package_version()
     documented = {(r.method, r.path) for r in ROUTES}
     assert documented == set(ENDPOINTS), documented ^ set(ENDPOINTS)
-    metrics = metrics or ApplianceMetrics(aeng)
-    state = AppState(aeng=aeng, server=server, metrics=metrics, version=version)
+    adapters = adapters or AdapterRegistry(aeng, LoRASection(), aeng.model_name)
+    metrics = metrics or ApplianceMetrics(aeng, adapters=adapters)
+    state = AppState(aeng=aeng, server=server, metrics=metrics, version=version, adapters=adapters)
     if tracing is not None:
         state.tracer = HttpRequestTracer(tracing, aeng)
     openapi = build_openapi(version)

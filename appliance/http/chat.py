@@ -166,7 +166,7 @@ def dialect_of(state: AppState, req: ChatCompletionRequest) -> ChatDialect:
 
 
 async def create_chat_completion(request: Request) -> Response:
-    arrival, state, req, params = await begin(request, ChatCompletionRequest)
+    arrival, state, req, params, lora = await begin(request, ChatCompletionRequest)
     dialect = dialect_of(state, req)
     try:
         constrain(params, dialect)
@@ -193,6 +193,7 @@ async def create_chat_completion(request: Request) -> Response:
         map_param=lambda p: convert.engine_param(p, req),
         trace=(request, "chat"),
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
+        lora_request=lora,
     )
     events = _stream(state, req, dialect, rid, streams) if req.stream else None
     return await respond(
@@ -248,7 +249,9 @@ def _response(
                 stop_reason=c.stop_reason,
             )
         )
-    body = whole_body(ChatCompletionResponse, rid, state.model_name, choices, convert.usage([out]))
+    body = whole_body(
+        ChatCompletionResponse, rid, state.response_model(req.model), choices, convert.usage([out])
+    )
     _log_done(state, rid, req, out)
     return body
 
@@ -281,7 +284,9 @@ async def _stream(
     rid: str,
     streams: list[RequestStream],
 ) -> AsyncIterator[str]:
-    w = ChunkWriter(ChatCompletionChunk, rid, state.model_name, req.stream_options, streams)
+    w = ChunkWriter(
+        ChatCompletionChunk, rid, state.response_model(req.model), req.stream_options, streams
+    )
     parsers = [ChoiceStream(dialect) for _ in range(req.n)]
     try:
         yield w.chunk(

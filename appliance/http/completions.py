@@ -54,7 +54,7 @@ def prompts_of(prompt: str | list) -> list[str | list[int]]:
 
 
 async def create_completion(request: Request) -> Response:
-    arrival, state, req, params = await begin(request, CompletionRequest)
+    arrival, state, req, params, lora = await begin(request, CompletionRequest)
     prompts = prompts_of(req.prompt)
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = await submit(
@@ -67,6 +67,7 @@ async def create_completion(request: Request) -> Response:
         map_param=lambda p: convert.engine_param(p, req),
         trace=(request, "text_completion"),
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
+        lora_request=lora,
     )
     events = _stream(state, req, rid, prompts, streams) if req.stream else None
     return await respond(request, rid, streams, events, lambda f: _response(state, req, rid, f))
@@ -91,7 +92,9 @@ def _response(
                     prompt_logprobs=prompt_lps,
                 )
             )
-    body = whole_body(CompletionResponse, rid, state.model_name, choices, convert.usage(finals))
+    body = whole_body(
+        CompletionResponse, rid, state.response_model(req.model), choices, convert.usage(finals)
+    )
     _log_done(state, rid, finals)
     return body
 
@@ -104,7 +107,9 @@ async def _stream(
     streams: list[RequestStream],
 ) -> AsyncIterator[str]:
     """SSE chunks: text deltas per choice, a final chunk per choice, usage, [DONE]."""
-    w = ChunkWriter(CompletionStreamResponse, rid, state.model_name, req.stream_options, streams)
+    w = ChunkWriter(
+        CompletionStreamResponse, rid, state.response_model(req.model), req.stream_options, streams
+    )
     try:
         if req.echo:  # the prompt text first, once per choice
             yield w.chunk(

@@ -150,6 +150,8 @@ def engine_param(param: str | None, req: CompletionRequest | ChatCompletionReque
         return "max_completion_tokens"
     if param == "prompt" and isinstance(req, ChatCompletionRequest):
         return "messages"
+    if param == "lora_request":  # the adapter the request's model selected
+        return "model"
     if structured.is_engine_param(param):
         return structured.client_field(param, constraint(req))
     return param

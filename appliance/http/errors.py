@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from appliance.adapters import AdapterError
 from engine.errors import (
     ContextLengthError,
     EngineDeadError,
@@ -108,9 +109,12 @@ def from_validation_error(e: ValidationError) -> APIError:
 
 
 def from_engine_error(e: Exception) -> APIError:
-    """Maps engine exceptions to statuses: never-servable 400, full 429, dead 503, failed 500."""
+    """Maps engine exceptions to statuses: never-servable 400, full 429, dead 503, failed 500;
+    and the adapter registry's refusals with the status they carry."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, AdapterError):
+        return APIError(e.status, e.message, INVALID_REQUEST, e.param, e.code)
     if isinstance(e, SamplingParamsError):
         return bad_request(str(e), e.param)
     if isinstance(e, ContextLengthError):

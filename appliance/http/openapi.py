@@ -28,6 +28,8 @@ class RouteDoc:
     auth: bool
     stream: type[BaseModel] | None = None
     content_type: str = "application/json"
+    # Statuses of `_ROUTE_ERRORS` this route may answer, beyond those every route may.
+    errors: tuple[str, ...] = ()
 
 
 ROUTES: tuple[RouteDoc, ...] = (
@@ -36,8 +38,16 @@ ROUTES: tuple[RouteDoc, ...] = (
     RouteDoc("POST", "/v1/chat/completions", p.ChatCompletionRequest, p.ChatCompletionResponse,
              "Chat completion with the model's chat template (SSE when stream is true)", True,
              p.ChatCompletionChunk),
-    RouteDoc("GET", "/v1/models", None, p.ModelList, "The served model", True),
-    RouteDoc("GET", "/v1/models/{model}", None, p.ModelCard, "One model", True),
+    RouteDoc("GET", "/v1/models", None, p.ModelList,
+             "The served model and its loaded LoRA adapters", True),
+    RouteDoc("GET", "/v1/models/{model}", None, p.ModelCard, "One model or adapter", True),
+    RouteDoc("POST", "/v1/load_lora_adapter", p.LoadLoRAAdapterRequest, None,
+             "Load a LoRA adapter from under lora.allowed_dirs (404 unless "
+             "lora.allow_runtime_updates)", True, content_type="text/plain",
+             errors=("403",)),
+    RouteDoc("POST", "/v1/unload_lora_adapter", p.UnloadLoRAAdapterRequest, None,
+             "Unload a LoRA adapter once its running requests finish (404 unless "
+             "lora.allow_runtime_updates)", True, content_type="text/plain"),
     RouteDoc("POST", "/tokenize", p.TokenizeRequest, p.TokenizeResponse,
              "Token ids of a prompt or of chat messages", True),
     RouteDoc("POST", "/detokenize", p.DetokenizeRequest, p.DetokenizeResponse,
@@ -66,6 +76,9 @@ _ERRORS = {
     "429": "Waiting queue full; retry later",
     "500": "The engine failed the request",
     "503": "The engine is not running or the server is shutting down",
+}
+_ROUTE_ERRORS = {
+    "403": "lora_path is outside lora.allowed_dirs",
 }
 
 
@@ -99,7 +112,8 @@ def build_openapi(version: str) -> dict[str, Any]:
         else:
             ok["content"] = {r.content_type: {"schema": {"type": "string"}}}
         responses: dict[str, Any] = {"200": ok}
-        for code, desc in _ERRORS.items():
+        route_errors = {code: _ROUTE_ERRORS[code] for code in r.errors}
+        for code, desc in sorted({**_ERRORS, **route_errors}.items()):
             if code in ("401",) and not r.auth:
                 continue
             if code in ("400", "413", "415") and r.request is None:

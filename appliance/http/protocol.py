@@ -345,13 +345,26 @@ class ModelCard(ResponseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "appliance"
-    root: str | None = None
+    root: str | None = Field(None, description="The checkpoint's, or the adapter's, directory.")
+    parent: str | None = Field(None, description="An adapter's base model; null for the base.")
     max_model_len: int | None = None
 
 
 class ModelList(ResponseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(RequestModel):
+    """vLLM's body: the name requests will select the adapter by, and its PEFT directory
+    (absolute, under one of `lora.allowed_dirs`)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    lora_name: str
 
 
 class TokenizeRequest(RequestModel):

@@ -31,7 +31,7 @@ from appliance.http.serving import begin
 
 
 async def render_completion(request: Request) -> Response:
-    _, state, req, _ = await begin(request, CompletionRequest)
+    _, state, req, _, _ = await begin(request, CompletionRequest)
     rendered = []
     for prompt in prompts_of(req.prompt):
         if isinstance(prompt, str):
@@ -45,7 +45,7 @@ async def render_completion(request: Request) -> Response:
 
 
 async def render_chat_completion(request: Request) -> Response:
-    _, state, req, params = await begin(request, ChatCompletionRequest)
+    _, state, req, params, _ = await begin(request, ChatCompletionRequest)
     dialect = dialect_of(state, req)
     try:
         constrain(params, dialect)  # refuses what the generation route refuses

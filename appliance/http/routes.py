@@ -20,14 +20,24 @@ from appliance.http.protocol import (
     VersionResponse,
 )
 from appliance.http.serving import AppState, state_of
+from engine.lora_request import LoRARequest
 
 
 def _json(model) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"))
 
 
-def _model_card(request: Request) -> ModelCard:
-    state = state_of(request)
+def _model_card(state: AppState, lora: LoRARequest | None = None) -> ModelCard:
+    """The base model's card, or an adapter's: `parent` the base model, `root` its
+    directory (as vLLM lists them)."""
+    if lora is not None:
+        return ModelCard(
+            id=lora.lora_name,
+            created=state.created,
+            root=lora.lora_path,
+            parent=state.model_name,
+            max_model_len=state.aeng.max_model_len,
+        )
     return ModelCard(
         id=state.model_name,
         created=state.created,
@@ -37,13 +47,14 @@ def _model_card(request: Request) -> ModelCard:
 
 
 async def list_models(request: Request) -> Response:
-    return _json(ModelList(data=[_model_card(request)]))
+    state = state_of(request)
+    cards = [_model_card(state)] + [_model_card(state, lo) for lo in state.adapters.adapters()]
+    return _json(ModelList(data=cards))
 
 
 async def retrieve_model(request: Request) -> Response:
     state = state_of(request)
-    state.check_model(request.path_params["model"])
-    return _json(_model_card(request))
+    return _json(_model_card(state, state.resolve_model(request.path_params["model"])))
 
 
 async def health(request: Request) -> Response:
@@ -86,7 +97,7 @@ async def tokenize(request: Request) -> Response:
     req = await read_json(
         request, TokenizeRequest, state.server.max_request_body, state.server.body_timeout_s
     )
-    state.check_model(req.model)
+    state.resolve_model(req.model)  # any served name; they share the tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
     if req.messages is not None:
@@ -109,7 +120,7 @@ async def detokenize(request: Request) -> Response:
     req = await read_json(
         request, DetokenizeRequest, state.server.max_request_body, state.server.body_timeout_s
     )
-    state.check_model(req.model)
+    state.resolve_model(req.model)  # any served name; they share the tokenizer
     text = await state.aeng.offload_if_large(len(req.tokens), _detokenize, state, req.tokens)
     return _json(DetokenizeResponse(prompt=text))
 

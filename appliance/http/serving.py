@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from appliance.adapters import AdapterRegistry
 from appliance.config import ServerConfig
 from appliance.http import convert
 from appliance.http.body import read_json
@@ -36,6 +38,7 @@ from appliance.http.protocol import (
 from appliance.http.tracing_hook import HttpRequestTracer
 from appliance.metrics import ApplianceMetrics
 from engine.async_engine import AsyncEngine
+from engine.lora_request import LoRARequest
 from engine.output.request_output import RequestDelta, RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
@@ -53,6 +56,8 @@ class AppState:
     server: ServerConfig
     metrics: ApplianceMetrics
     version: str
+    # The adapters a request's `model` may name (an empty registry when lora is off).
+    adapters: AdapterRegistry
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
     # Request spans (None when tracing is off): see appliance/http/tracing_hook.py.
@@ -63,14 +68,28 @@ class AppState:
     def model_name(self) -> str:
         return self.aeng.model_name
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+    def resolve_model(self, name: str | None) -> LoRARequest | None:
+        """What a request's `model` selects: None for the base model (also when the field is
+        absent), else a loaded adapter; anything else is a 404 model_not_found."""
+        if name is None or name == self.model_name:
+            return None
+        lora = self.adapters.get(name)
+        if lora is None:
+            served = f"`{self.model_name}`"
+            if self.adapters.enabled:
+                served += " and the adapters GET /v1/models lists"
             raise APIError(
                 404,
-                f"The model `{name}` does not exist; this server serves `{self.model_name}`",
+                f"The model `{name}` does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )
+        return lora
+
+    def response_model(self, name: str | None) -> str:
+        """The `model` a response names: the one the request asked for (an adapter's name,
+        as vLLM answers), else the base model's."""
+        return name or self.model_name
 
     def token_str(self, token_id: int) -> str:
         """A token's text for logprobs (cached: the same ids come back constantly)."""
@@ -90,16 +109,19 @@ R = TypeVar("R", bound=SamplingFields)
 E = TypeVar("E", bound=CompletionEnvelope)
 
 
-async def begin(request: Request, model: type[R]) -> tuple[float, AppState, R, SamplingParams]:
+async def begin(
+    request: Request, model: type[R]
+) -> tuple[float, AppState, R, SamplingParams, LoRARequest | None]:
     """How every generation route starts (shared so they check in the same order): arrival
-    time, app state, the validated body, the model name, then the sampling parameters."""
+    time, app state, the validated body, the model name (and the adapter it selects), then
+    the sampling parameters."""
     arrival = time.monotonic()
     state = state_of(request)
     req = await read_json(
         request, model, state.server.max_request_body, state.server.body_timeout_s
     )
-    state.check_model(req.model)
-    return arrival, state, req, convert.sampling_params(req)  # type: ignore[arg-type]
+    lora = state.resolve_model(req.model)
+    return arrival, state, req, convert.sampling_params(req), lora  # type: ignore[arg-type]
 
 
 async def submit(
@@ -113,8 +135,10 @@ async def submit(
     map_param: Callable[[str | None], str | None] = lambda p: p,
     trace: tuple[Request, str] | None = None,
     cache_salt: tuple[str, ...] = (),
+    lora_request: LoRARequest | None = None,
 ) -> list[RequestStream]:
-    """Adds one engine request per prompt; on any failure aborts those already added.
+    """Adds one engine request per prompt (run with `lora_request`'s adapter, if given); on
+    any failure aborts those already added.
 
     `trace` is (the HTTP request, GenAI operation name): with tracing on, each engine
     request is recorded as a span joined to the caller's `traceparent` when it ends."""
@@ -124,20 +148,24 @@ async def submit(
         raise APIError(503, "the server is shutting down", type_=UNAVAILABLE, code="shutting_down")
     streams: list[RequestStream] = []
     try:
-        for i, prompt in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            if state.tracer is not None and trace is not None:
-                state.tracer.register(rid, dict(trace[0].headers), params, trace[1])
-            streams.append(
-                await state.aeng.add_request(
-                    prompt,
-                    params,
-                    rid,
-                    priority=priority,
-                    arrival_time=arrival_time,
-                    cache_salt=cache_salt,
-                )  # fmt: skip
-            )
+        with state.adapters.admitting(lora_request) if lora_request else nullcontext():
+            for i, prompt in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                if state.tracer is not None and trace is not None:
+                    state.tracer.register(rid, dict(trace[0].headers), params, trace[1])
+                streams.append(
+                    await state.aeng.add_request(
+                        prompt,
+                        params,
+                        rid,
+                        priority=priority,
+                        arrival_time=arrival_time,
+                        cache_salt=cache_salt,
+                        lora_request=lora_request,
+                    )  # fmt: skip
+                )
+                if lora_request is not None:
+                    state.adapters.count_request(lora_request)
     except BaseException as e:
         abort_all(streams)
         if state.tracer is not None:

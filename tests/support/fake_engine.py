@@ -53,6 +53,8 @@ class FakeStats:
     num_preemptions: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

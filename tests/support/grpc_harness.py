@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from appliance.adapters import AdapterRegistry
+from appliance.config.schema import LoRASection
 from appliance.grpc.server import GrpcSettings, start_grpc_server
 from appliance.telemetry import Tracing
 from engine.async_engine import AsyncEngine
@@ -49,6 +51,7 @@ class Harness:
     engine: AsyncEngine
     server: grpc.aio.Server
     port: int
+    adapters: AdapterRegistry
 
     @property
     def address(self) -> str:
@@ -78,13 +81,21 @@ def tiny_llm_engine(model_dir: Path, **overrides: Any) -> Any:
     return LLMEngine(build_engine_config(str(model_dir), **kw))
 
 
-def start_harness(llm_engine: Any, tracing: Tracing | None = None, **settings: Any) -> Harness:
-    """Wraps `llm_engine` in an AsyncEngine and serves it on a free port."""
+def start_harness(
+    llm_engine: Any,
+    tracing: Tracing | None = None,
+    lora: LoRASection | None = None,
+    **settings: Any,
+) -> Harness:
+    """Wraps `llm_engine` in an AsyncEngine and serves it on a free port; with `lora`, its
+    `modules` are loaded first (as `appliance serve` does) into `Harness.adapters`."""
     loop = LoopThread()
     engine = AsyncEngine(llm_engine)
+    adapters = AdapterRegistry(engine, lora or LoRASection(), engine.model_name)
+    loop.run(adapters.load_modules())
     opts = {"host": "127.0.0.1", "port": 0, "health_poll_s": 0.05, **settings}
-    server = loop.run(start_grpc_server(engine, GrpcSettings(**opts), tracing))
-    return Harness(loop, engine, server, server.bound_port)
+    server = loop.run(start_grpc_server(engine, GrpcSettings(**opts), tracing, adapters))
+    return Harness(loop, engine, server, server.bound_port, adapters)
 
 
 def offline_greedy(llm_engine: Any, prompts: list, max_tokens: int) -> list[tuple[list[int], str]]:

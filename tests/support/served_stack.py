@@ -97,7 +97,8 @@ def start_stack(
     max_consecutive_failures: int = 3,
     **grpc_settings: Any,
 ) -> Stack:
-    """Serves `llm_engine` over both protocols on free ports of 127.0.0.1."""
+    """Serves `llm_engine` over both protocols on free ports of 127.0.0.1 (`lora=` among
+    `grpc_settings`: the adapters both frontends share, see `start_harness`)."""
     server = server or ServerConfig(host="127.0.0.1", http_port=0)
     if server.api_keys:
         grpc_settings.setdefault("api_keys", server.api_keys)
@@ -105,7 +106,9 @@ def start_stack(
     grpc_settings.setdefault("cache_salt_by_api_key", server.cache_salt_by_api_key)
     harness = start_harness(llm_engine, **grpc_settings)
     harness.engine.max_consecutive_failures = max_consecutive_failures
-    http = BackgroundServer(build_app(harness.engine, server), server).start()
+    http = BackgroundServer(
+        build_app(harness.engine, server, adapters=harness.adapters), server
+    ).start()
     return Stack(harness, http)
 
 

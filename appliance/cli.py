@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from appliance.config import AppConfig, ConfigError, dump_config, load_config
+from appliance.config.schema import yaml_key_error
 from appliance.logs import configure_logging, log_event
 
 logger = logging.getLogger("appliance.cli")
@@ -202,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:
-        print(f"appliance: config error: {e}", file=sys.stderr)
+        print(f"appliance: config error: {yaml_key_error(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -240,6 +240,19 @@ SECTIONS: dict[str, type] = {
 _GRAPHS_FIELDS = tuple(f.name for f in dataclasses.fields(GraphsConfig))
 
 
+def yaml_key_error(e: ConfigError) -> ConfigError:
+    """An engine ConfigError under the key the YAML spells: runtime.<graphs field> is graphs.*.
+
+    The engine names its own RuntimeConfig keys (it raises some only at start, e.g. LoRA
+    with CUDA graphs); a user reading the message edits the YAML, where they live under graphs.
+    """
+    section, _, name = e.key.partition(".")
+    if section == "runtime" and name in _GRAPHS_FIELDS:
+        reason = e.reason.replace(f"runtime.{name}", f"graphs.{name}")
+        return ConfigError(f"graphs.{name}", reason)
+    return e
+
+
 @dataclass(frozen=True)
 class AppConfig:
     """Everything one YAML file configures."""
@@ -265,9 +278,9 @@ class AppConfig:
                 **{name: getattr(self.graphs, name) for name in _GRAPHS_FIELDS},
             )
         except ConfigError as e:
-            name = e.key.split(".", 1)[-1]
-            if name in _GRAPHS_FIELDS:
-                raise ConfigError(f"graphs.{name}", e.reason) from None
+            renamed = yaml_key_error(e)
+            if renamed is not e:
+                raise renamed from None
             raise
         return EngineConfig(
             model=self.model,

@@ -172,3 +172,14 @@ def test_dump_round_trips_and_redacts_secrets(tmp_path):
     f.write_text(dump_config(cfg, redact=False))
     assert load_config(f) == cfg
     assert config_to_dict(cfg)["scheduler"]["max_num_seqs"] == 3
+
+
+def test_engine_errors_on_graphs_fields_are_named_by_their_yaml_key():
+    """The engine raises some runtime.* errors only at start (LoRA with CUDA graphs); the
+    user edits graphs.* in the YAML, so that is the key the message names."""
+    from appliance.config.schema import yaml_key_error
+
+    e = yaml_key_error(ConfigError("runtime.cuda_graphs", "set runtime.cuda_graphs: false"))
+    assert (e.key, e.reason) == ("graphs.cuda_graphs", "set graphs.cuda_graphs: false")
+    other = ConfigError("runtime.device", "bad")
+    assert yaml_key_error(other) is other

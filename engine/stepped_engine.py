@@ -64,3 +64,13 @@ class SteppedEngine(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def stats(self) -> EngineStats: ...
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why no step can ever run again (e.g. a tensor-parallel worker died), else None.
+        Read from any thread."""
+        ...
+
+    def close(self) -> None:
+        """Releases what outlives a step (tensor-parallel workers); after the loop stopped."""
+        ...

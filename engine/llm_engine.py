@@ -101,6 +101,8 @@ class LLMEngine:
         config, rt = self.config, self.config.runtime
         tp = self.tp_workers.tp if self.tp_workers is not None else TensorParallel()
         loaded = load_model(config.model, self.device, tp)
+        if self.tp_workers is not None:
+            self.tp_workers.await_loaded()
         self.hf_config = loaded.hf_config
         self.model_dir = loaded.model_dir
         self.tokenizer = Tokenizer.from_pretrained(loaded.model_dir)

@@ -63,6 +63,14 @@ STOP_GRACE_S = 10.0
 DEATH_GRACE_S = 1.0
 
 
+# A worker that dies before its first message never ran our code: usually the main module
+# cannot be re-imported under spawn.
+_SPAWN_HINT = (
+    " before starting (its error is on stderr; a script that creates a tensor-parallel engine "
+    'needs an `if __name__ == "__main__":` guard, as any multiprocessing spawn does)'
+)
+
+
 class WorkerStartError(RuntimeError):
     """A worker failed while starting; the message carries its error."""
 
@@ -137,6 +145,11 @@ class WorkerPool:
         """The workers' process ids, rank 1 first."""
         return [p.pid for p in self._procs]
 
+    def await_loaded(self) -> None:
+        """Waits until every worker has loaded its shard: the start-up collectives that
+        follow (KV sizing) must not time out on a worker that is still loading."""
+        self._await("loaded")
+
     def await_ready(self, num_blocks: int) -> None:
         """Waits until every worker has its shard and KV cache; each must have sized the
         same `num_blocks` as rank 0 (they agreed on the minimum)."""
@@ -158,7 +171,8 @@ class WorkerPool:
             msg = self._message(conn)
             if msg is None:
                 proc.join()  # its sentinel fired: it has exited
-                raise WorkerStartError(f"tensor-parallel rank {rank} {_exit_text(proc)}")
+                hint = _SPAWN_HINT if kind == "hello" else ""
+                raise WorkerStartError(f"tensor-parallel rank {rank} {_exit_text(proc)}{hint}")
             if msg[0] == "error":
                 raise WorkerStartError(
                     f"tensor-parallel rank {rank} failed to start: {_last_line(msg[1])}"
@@ -175,19 +189,16 @@ class WorkerPool:
                 return None
 
     def explain_start_failure(self, exc: BaseException) -> BaseException:
-        """What to raise when rank 0's start-up failed while the workers were starting: a
-        worker's own error (it died loading, so rank 0's collective broke) when there is
-        one, else `exc`."""
+        """What to raise when rank 0's start-up failed while the workers were starting: the
+        workers that died and their errors (a worker that died loading breaks rank 0's
+        collective), else `exc` itself."""
         wait([p.sentinel for p in self._procs], timeout=DEATH_GRACE_S)
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
-            msg = self._message(conn)
-            if msg is not None and msg[0] == "error":
-                return WorkerStartError(
-                    f"tensor-parallel rank {rank} failed to start: {_last_line(msg[1])}"
-                )
-            if not proc.is_alive():
-                return WorkerStartError(f"tensor-parallel rank {rank} {_exit_text(proc)}")
-        return exc
+        dead = self._deaths()
+        if not dead:
+            return exc
+        return WorkerStartError(
+            f"tensor-parallel start-up failed: {dead} (rank 0: {type(exc).__name__}: {exc})"
+        )
 
     # ---- steps ----------------------------------------------------------------------------
     def run_step(
@@ -248,8 +259,9 @@ class WorkerPool:
         """'rank r (pid p) was killed by SIGKILL: <its error>; ...' for the dead workers."""
         parts = []
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
-            if proc.is_alive():
+            if not wait([proc.sentinel], timeout=0):
                 continue
+            proc.join(DEATH_GRACE_S)  # its sentinel closes a moment before it can be reaped
             text = f"rank {rank} {_exit_text(proc)}"
             msg = self._message(conn)
             if msg is not None and msg[0] == "error":

@@ -1,6 +1,7 @@
 """A tensor-parallel worker process (ranks 1..size-1): the target rank 0 spawns.
 
-    hello -> join the group -> load its shard -> size the KV cache (min over ranks) -> ready
+    hello -> join the group -> load its shard -> loaded -> size the KV cache (the minimum
+    over the ranks) -> ready
     then: receive a step, append what rank 0 sampled last step, run the step; until STOP
 
 The worker never samples and never decides anything: it computes its shard of the step
@@ -45,8 +46,9 @@ class WorkerSpec:
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Process entry point. Messages to rank 0: ("hello",), ("ready", num_blocks) or
-    ("error", traceback text)."""
+    """Process entry point. Messages to rank 0: ("hello",), ("loaded",), ("ready",
+    num_blocks), or ("error", traceback text) before it exits."""
+    _quiet_progress_bars()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent()
@@ -64,6 +66,16 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     if not stopped:  # rank 0 is gone: nobody to leave the group with
         os._exit(1)
     leave_group()
+
+
+def _quiet_progress_bars() -> None:
+    """Rank 0 shows the load's progress; here tqdm stays silent, and takes a thread lock
+    instead of its default multiprocessing one, which a killed worker would leak (the
+    resource tracker then warns at rank 0's exit)."""
+    from tqdm import tqdm
+
+    os.environ["TQDM_DISABLE"] = "1"
+    tqdm.set_lock(threading.RLock())
 
 
 def _exit_with_parent() -> None:
@@ -88,6 +100,7 @@ def _start(spec: WorkerSpec, conn: Connection) -> ModelRunner:
     conn.send(("hello",))
     tp = join_group(spec.store_port, spec.rank, size, device, config.parallel.timeout_s)
     loaded = load_model(config.model, device, tp)
+    conn.send(("loaded",))
     block_size = config.cache.block_size
     runner = ModelRunner(loaded.model, device, loaded.dtype, block_size, config.runtime)
     max_model_len = resolve_max_model_len(config.model, loaded.hf_config)

@@ -6,6 +6,8 @@
   error naming the rank and the signal, the engine turns unhealthy and refuses new work,
   nothing hangs, and no worker is left running. The worker is stopped (SIGSTOP) before it is
   killed, so the request cannot progress in between, whatever the box's speed.
+- A worker that hangs (stopped for good) fails the engine once a step has waited
+  `parallel.timeout_s` for it, with an error saying so; the hung worker is killed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.config import ConfigError, EngineConfig, LoRAConfig, RuntimeConfig
+from engine.config import ConfigError, EngineConfig, LoRAConfig, ParallelConfig, RuntimeConfig
 from engine.errors import EngineDeadError, EngineError
 from engine.llm import build_engine_config
 from engine.llm_engine import LLMEngine
@@ -93,8 +95,11 @@ def test_cuda_ranks_beyond_the_visible_gpus_and_cuda_graphs_are_refused(tiny_lla
     assert e.value.key == "runtime.cuda_graphs"
 
 
-def test_a_worker_killed_mid_generation_fails_the_request_and_the_engine(tiny_llama_dir) -> None:
-    engine = LLMEngine(_config(tiny_llama_dir))
+def _generate_until_the_worker_is_stopped(config: EngineConfig, kill: bool):
+    """Starts a 100-token request on a TP=2 engine, stops the worker after the first token
+    (and kills it if `kill`), and returns (engine, worker pid, tokens received, the error
+    the stream ended with)."""
+    engine = LLMEngine(config)
     (pid,) = engine.tp_workers.pids
     aeng = AsyncEngine(engine)
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
@@ -103,7 +108,8 @@ def test_a_worker_killed_mid_generation_fails_the_request_and_the_engine(tiny_ll
         stream = await aeng.add_request([5, 6, 7, 8], params)
         got = len((await stream.__anext__()).outputs[0].token_ids)  # it is generating
         os.kill(pid, signal.SIGSTOP)  # from here the request cannot progress
-        os.kill(pid, signal.SIGKILL)
+        if kill:
+            os.kill(pid, signal.SIGKILL)
         failure = None
         try:
             async for delta in stream:
@@ -115,11 +121,26 @@ def test_a_worker_killed_mid_generation_fails_the_request_and_the_engine(tiny_ll
     try:
         got, failure = asyncio.run(asyncio.wait_for(main(), HANG_S))
         assert failure is not None and got < 100
-        assert "rank 1" in str(failure) and "SIGKILL" in str(failure), failure
-        assert not aeng.is_healthy and "rank 1" in (aeng.dead_reason or "")
+        assert not aeng.is_healthy and aeng.dead_reason
         with pytest.raises(EngineDeadError):
             asyncio.run(aeng.add_request([5, 6], params))
     finally:
         asyncio.run(asyncio.wait_for(aeng.shutdown(), HANG_S))
-    wait_for(lambda: not is_running(pid), "the killed worker gone")
+    wait_for(lambda: not is_running(pid), "the worker gone")
     assert not multiprocessing.active_children()
+    return aeng, failure
+
+
+def test_a_worker_killed_mid_generation_fails_the_request_and_the_engine(tiny_llama_dir) -> None:
+    aeng, failure = _generate_until_the_worker_is_stopped(_config(tiny_llama_dir), kill=True)
+    assert "rank 1" in str(failure) and "SIGKILL" in str(failure), failure
+    assert "rank 1" in aeng.dead_reason and "SIGKILL" in aeng.dead_reason
+
+
+def test_a_hung_worker_fails_the_engine_after_the_parallel_timeout(tiny_llama_dir) -> None:
+    """Stopped, never killed by the test: only the timeout can end the step."""
+    config = dataclasses.replace(
+        _config(tiny_llama_dir), parallel=ParallelConfig(tensor_parallel_size=2, timeout_s=3.0)
+    )
+    aeng, failure = _generate_until_the_worker_is_stopped(config, kill=False)
+    assert "parallel.timeout_s=3s" in str(failure) and "hung" in str(failure), failure

@@ -87,7 +87,10 @@ class WorkerPool:
         self._conns: list[Connection] = []
         self._store: Any = None
         self._lock = threading.Lock()
-        self._read_lock = threading.Lock()
+        self._read_lock = threading.Lock()  # one reader of a worker's pipe at a time
+        # One thread at a time waits for / reaps the processes: two threads reaping the same
+        # child race, and the loser sees no exit status at all.
+        self._proc_lock = threading.RLock()
         self._closing = False
         self._step_started: float | None = None  # monotonic start of the step in flight
         self._sampled: tuple[list[str], list[int]] = ([], [])  # rank 0's last sampled tokens
@@ -261,7 +264,8 @@ class WorkerPool:
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
             if not wait([proc.sentinel], timeout=0):
                 continue
-            proc.join(DEATH_GRACE_S)  # its sentinel closes a moment before it can be reaped
+            with self._proc_lock:  # its sentinel closes a moment before it can be reaped
+                proc.join(DEATH_GRACE_S)
             text = f"rank {rank} {_exit_text(proc)}"
             msg = self._message(conn)
             if msg is not None and msg[0] == "error":
@@ -277,9 +281,10 @@ class WorkerPool:
                 return
             self.fatal = reason
         logger.critical("tensor-parallel engine failed", extra={"fields": {"reason": reason}})
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
+        with self._proc_lock:
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.kill()
 
     # ---- shutdown -------------------------------------------------------------------------
     def close(self) -> None:
@@ -296,11 +301,12 @@ class WorkerPool:
             except OSError:
                 pass  # that worker is gone
         deadline = time.monotonic() + STOP_GRACE_S
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        with self._proc_lock:
+            for proc in self._procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
         for conn in self._conns:
             conn.close()
         if self._step_started is None:  # never under a collective another thread is in

@@ -13,9 +13,10 @@ Messages (`engine.core.step_io` dataclasses, as the scheduler builds them):
 
 Transports:
   pipe-dataclasses   multiprocessing Pipe, the dataclasses pickled as they are
-  pipe               multiprocessing Pipe, the engine's flat encoding
+  pipe               multiprocessing Pipe, the flat encoding the engine uses
                      (engine.worker.distributed.transport.encode_step / decode_step)
-  shm                the same bytes through shared memory; a semaphore wakes the worker
+  shm                the same bytes through the engine's shared-memory ring (StepWriter /
+                     StepReader: slots in shared memory, a semaphore wakes the worker)
   broadcast          the same bytes through torch.distributed.broadcast_object_list (gloo)
 
     python bench/tp_transport.py [--iters 300] [--rounds 5]
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import struct
 import sys
 import time
 from datetime import timedelta
@@ -40,7 +40,6 @@ if str(ROOT) not in sys.path:
 from bench.common import LoadMeter, base_record, idle_snapshot, write_jsonl  # noqa: E402
 
 TRANSPORTS = ("none", "pipe-dataclasses", "pipe", "shm", "broadcast")
-SHM_BYTES = 1 << 24
 
 
 def make_messages() -> dict[str, tuple]:
@@ -79,17 +78,15 @@ def _join(rank: int, port: int) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
 
 
-def worker(port: int, conn, shm_name: str, sem) -> None:
+def worker(port: int, conn, ring) -> None:
     """Rank 1: receives with the transport rank 0 names, then joins the all-reduce."""
-    from multiprocessing import shared_memory
-
     import torch
     import torch.distributed as dist
 
-    from engine.worker.distributed.transport import decode_step
+    from engine.worker.distributed.transport import StepReader, decode_step
 
     _join(1, port)
-    shm = shared_memory.SharedMemory(name=shm_name)
+    reader = StepReader(ring, conn)
     one = torch.zeros(1)
     while (cmd := conn.recv()) is not None:
         transport, iters = cmd
@@ -101,9 +98,7 @@ def worker(port: int, conn, shm_name: str, sem) -> None:
             elif transport == "pipe":
                 decode_step(conn.recv_bytes())
             elif transport == "shm":
-                sem.acquire()
-                (n,) = struct.unpack_from("<Q", shm.buf, 0)
-                decode_step(bytes(shm.buf[8 : 8 + n]))
+                decode_step(reader.recv())
             elif transport == "broadcast":
                 box = [None]
                 dist.broadcast_object_list(box, src=0)
@@ -111,24 +106,22 @@ def worker(port: int, conn, shm_name: str, sem) -> None:
             recv_us.append((time.perf_counter() - t0) * 1e6)
             dist.all_reduce(one)
         conn.send(recv_us)
-    shm.close()
+    reader.close()
 
 
 def run(iters: int, rounds: int) -> dict:
     import multiprocessing as mp
-    from multiprocessing import shared_memory
 
     import torch
     import torch.distributed as dist
 
-    from engine.worker.distributed.transport import encode_step
+    from engine.worker.distributed.transport import StepWriter, encode_step
 
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     ours, theirs = ctx.Pipe()
-    shm = shared_memory.SharedMemory(create=True, size=SHM_BYTES)
-    sem = ctx.Semaphore(0)
-    proc = ctx.Process(target=worker, args=(store.port, theirs, shm.name, sem), daemon=True)
+    ring = StepWriter(ctx, ours)
+    proc = ctx.Process(target=worker, args=(store.port, theirs, ring.handle), daemon=True)
     proc.start()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=2)
@@ -151,10 +144,7 @@ def run(iters: int, rounds: int) -> dict:
                         elif transport == "pipe":
                             ours.send_bytes(encode_step(so, ids, toks))
                         elif transport == "shm":
-                            data = encode_step(so, ids, toks)
-                            struct.pack_into("<Q", shm.buf, 0, len(data))
-                            shm.buf[8 : 8 + len(data)] = data
-                            sem.release()
+                            ring.send(encode_step(so, ids, toks), timeout_s=60)
                         elif transport == "broadcast":
                             dist.broadcast_object_list([encode_step(so, ids, toks)], src=0)
                         t1 = time.perf_counter()
@@ -166,8 +156,7 @@ def run(iters: int, rounds: int) -> dict:
     ours.send(None)
     proc.join(30)
     dist.destroy_process_group()
-    shm.close()
-    shm.unlink()
+    ring.close()
     table = {}
     for name in messages:
         base = statistics.median(step_us[(name, "none")])

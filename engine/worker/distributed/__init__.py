@@ -5,7 +5,7 @@ the CPU, NCCL on CUDA: the backend is the only difference between the two).
     checks.py     what a tensor-parallel config must satisfy, refused at start (ConfigError)
     group.py      joining the process group; each rank's device and CPU threads
     transport.py  each step's SchedulerOutput (plus the tokens rank 0 sampled last step),
-                  encoded once and sent to every worker over a pipe
+                  encoded once and put in every worker's shared-memory ring
     worker.py     a worker process: load its shard, size its KV cache, run the steps it is
                   sent, exit with rank 0
     pool.py       rank 0's side: start the workers, send each step, watch them, turn a

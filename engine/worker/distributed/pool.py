@@ -10,8 +10,8 @@ never a hang:
 
 - a worker that dies is seen at once by a watcher thread waiting on the processes'
   sentinels (also between steps, so health turns red while idle); it records the reason and
-  kills the other workers, so whatever rank 0 is blocked in (a gloo collective, a pipe
-  write) fails at once; the step then raises the recorded reason;
+  kills the other workers, so whatever rank 0 is blocked in (a gloo collective, a full
+  step ring) fails at once; the step then raises the recorded reason;
 - a worker that hangs: every collective gives up after `parallel.timeout_s` (the process
   group's timeout), and the watcher also ends a step that has run longer than that;
 - rank 0's own step raising after the workers got the step leaves them waiting in a
@@ -49,7 +49,7 @@ from engine.worker.distributed.group import (
     rank_device,
     threads_per_rank,
 )
-from engine.worker.distributed.transport import STOP, encode_step
+from engine.worker.distributed.transport import STOP, StepWriter, encode_step
 from engine.worker.distributed.worker import WorkerSpec, worker_main
 from engine.worker.models.loader import resolve_model_path
 from engine.worker.models.parallel import TensorParallel
@@ -85,6 +85,7 @@ class WorkerPool:
         self.fatal: str | None = None  # why no step can run any more
         self._procs: list[Any] = []  # multiprocessing Process, rank r at index r - 1
         self._conns: list[Connection] = []
+        self._rings: list[StepWriter] = []  # each worker's step messages
         self._store: Any = None
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()  # one reader of a worker's pipe at a time
@@ -128,12 +129,15 @@ class WorkerPool:
         atexit.register(self.close)
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe(duplex=True)
+            ring = StepWriter(ctx, ours)
+            self._rings.append(ring)
             spec = WorkerSpec(
                 config, rank, str(rank_device(device, rank)), self._store.port, threads
             )
             proc = ctx.Process(
-                target=worker_main, args=(spec, theirs), name=f"tp-rank{rank}", daemon=True
-            )
+                target=worker_main, args=(spec, ring.handle, theirs), name=f"tp-rank{rank}",
+                daemon=True,
+            )  # fmt: skip
             proc.start()
             theirs.close()
             self._procs.append(proc)
@@ -214,8 +218,8 @@ class WorkerPool:
         data = encode_step(so, *self._sampled)
         self._step_started = time.monotonic()
         try:
-            for conn in self._conns:
-                conn.send_bytes(data)
+            for ring in self._rings:
+                ring.send(data, self.timeout_s, abandon=lambda: self.fatal is not None)
             self._sampled = ([], [])
             out = execute(so)
         except Exception as e:
@@ -295,11 +299,11 @@ class WorkerPool:
                 return
             self._closing = True
         atexit.unregister(self.close)
-        for conn in self._conns:
+        for ring in self._rings:
             try:
-                conn.send_bytes(STOP)
-            except OSError:
-                pass  # that worker is gone
+                ring.send(STOP, timeout_s=1.0)
+            except (OSError, TimeoutError):
+                pass  # that worker is gone or hung: it is killed below
         deadline = time.monotonic() + STOP_GRACE_S
         with self._proc_lock:
             for proc in self._procs:
@@ -309,6 +313,8 @@ class WorkerPool:
                     proc.join()
         for conn in self._conns:
             conn.close()
+        for ring in self._rings:
+            ring.close()
         if self._step_started is None:  # never under a collective another thread is in
             leave_group()
         self._store = None

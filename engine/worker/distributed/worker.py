@@ -9,8 +9,9 @@ rank 0 sends, in the same order of collectives, and so its state follows rank 0'
 
 It never outlives rank 0: it ignores SIGINT and SIGTERM (a Ctrl-C or a SIGTERM sent to the
 whole process group must not cut a rank out from under rank 0's drain; rank 0 stops it),
-exits when rank 0's process ends (a thread waits on multiprocessing's parent sentinel, and
-a closed pipe ends the step loop), and exits on any error after reporting it over the pipe.
+exits when rank 0's process ends (a thread waits on multiprocessing's parent sentinel), and
+exits on any error after reporting it over the pipe. Steps arrive through the shared-memory
+ring of `transport.py`; the pipe carries start-up messages and errors back to rank 0.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.worker.distributed.group import join_group, leave_group
-from engine.worker.distributed.transport import STOP, decode_step
+from engine.worker.distributed.transport import STOP, RingHandle, StepReader, decode_step
 from engine.worker.kv_sizing import KVGeometry, size_kv_cache
 from engine.worker.models.loader import load_model, resolve_max_model_len
 from engine.worker.runner import ModelRunner
@@ -45,7 +46,7 @@ class WorkerSpec:
     num_threads: int | None
 
 
-def worker_main(spec: WorkerSpec, conn: Connection) -> None:
+def worker_main(spec: WorkerSpec, ring: RingHandle, conn: Connection) -> None:
     """Process entry point. Messages to rank 0: ("hello",), ("loaded",), ("ready",
     num_blocks), or ("error", traceback text) before it exits."""
     _quiet_progress_bars()
@@ -54,7 +55,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     _exit_with_parent()
     try:
         runner = _start(spec, conn)
-        stopped = _run_steps(runner, conn)
+        _run_steps(runner, StepReader(ring, conn))
     except BaseException:
         text = traceback.format_exc()
         logger.error("tensor-parallel rank %d failed:\n%s", spec.rank, text)
@@ -63,8 +64,6 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         except OSError:
             pass
         os._exit(1)  # no clean-up that could wait on peers that are gone
-    if not stopped:  # rank 0 is gone: nobody to leave the group with
-        os._exit(1)
     leave_group()
 
 
@@ -111,15 +110,13 @@ def _start(spec: WorkerSpec, conn: Connection) -> ModelRunner:
     return runner
 
 
-def _run_steps(runner: ModelRunner, conn: Connection) -> bool:
-    """Runs the steps rank 0 sends; True once told to stop, False when rank 0 is gone."""
+def _run_steps(runner: ModelRunner, steps: StepReader) -> None:
+    """Runs the steps rank 0 sends until told to stop."""
     while True:
-        try:
-            data = conn.recv_bytes()
-        except EOFError:
-            return False
+        data = steps.recv()
         if data == STOP:
-            return True
+            steps.close()
+            return
         msg = decode_step(data)
         runner.append_sampled(msg.sampled_req_ids, msg.sampled_token_ids)
         runner.execute(msg.so)

@@ -38,8 +38,14 @@ def threads_per_rank(runtime: RuntimeConfig, size: int) -> int | None:
     runtime.num_threads as it is (None: torch's default)."""
     if size == 1:
         return runtime.num_threads
-    available = runtime.num_threads or len(os.sched_getaffinity(0))
+    available = runtime.num_threads or _usable_cpus()
     return max(1, available // size)
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))  # what this process may run on (cgroups, taskset)
+    return os.cpu_count() or 1
 
 
 def open_store(size: int, timeout_s: float) -> dist.TCPStore:

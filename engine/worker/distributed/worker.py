@@ -68,12 +68,11 @@ def worker_main(spec: WorkerSpec, ring: RingHandle, conn: Connection) -> None:
 
 
 def _quiet_progress_bars() -> None:
-    """Rank 0 shows the load's progress; here tqdm stays silent, and takes a thread lock
-    instead of its default multiprocessing one, which a killed worker would leak (the
-    resource tracker then warns at rank 0's exit)."""
+    """tqdm takes a thread lock here instead of its default multiprocessing one, which a
+    killed worker would leak (the resource tracker then warns at rank 0's exit). The bars
+    themselves are off (`load_model(progress=False)`): rank 0 shows the load's progress."""
     from tqdm import tqdm
 
-    os.environ["TQDM_DISABLE"] = "1"
     tqdm.set_lock(threading.RLock())
 
 
@@ -98,7 +97,7 @@ def _start(spec: WorkerSpec, conn: Connection) -> ModelRunner:
     size = config.parallel.tensor_parallel_size
     conn.send(("hello",))
     tp = join_group(spec.store_port, spec.rank, size, device, config.parallel.timeout_s)
-    loaded = load_model(config.model, device, tp)
+    loaded = load_model(config.model, device, tp, progress=False)
     conn.send(("loaded",))
     block_size = config.cache.block_size
     runner = ModelRunner(loaded.model, device, loaded.dtype, block_size, config.runtime)

@@ -179,8 +179,10 @@ def iter_weights(
     model_dir: Path,
     device: torch.device,
     select: Callable[[str], CheckpointSlice | None] | None = None,
+    progress: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of every shard, with a progress bar over shards.
+    """(HF name, tensor) for every tensor of every shard, with a progress bar over shards
+    unless `progress` is False (tensor-parallel workers: rank 0 shows it).
 
     `select(name)`: the part of the tensor to read (a tensor-parallel rank's slice); None,
     or no `select`, reads all of it."""
@@ -190,7 +192,9 @@ def iter_weights(
     files = safetensors_files(model_dir)
     # safetensors opens straight onto CUDA; CPU tensors come from the memory map.
     target = str(device) if device.type in ("cpu", "cuda") else "cpu"
-    for f in tqdm(files, desc="Loading safetensors shards", unit="shard", leave=False):
+    bar = tqdm(files, desc="Loading safetensors shards", unit="shard", leave=False,
+               disable=not progress)  # fmt: skip
+    for f in bar:
         with safe_open(str(f), framework="pt", device=target) as sf:
             for name in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
                 part = select(name) if select is not None else None
@@ -254,10 +258,13 @@ def resolve_max_model_len(model_config: ModelConfig, hf_config: Any) -> int:
 
 
 def load_model(
-    model_config: ModelConfig, device: torch.device, tp: TensorParallel | None = None
+    model_config: ModelConfig,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+    progress: bool = True,
 ) -> LoadedModel:
     """Resolve, build and load the model named by `model_config` onto `device`; under `tp`,
-    this rank's shard of it."""
+    this rank's shard of it. `progress`: show the shards' progress bar."""
     from transformers import AutoConfig
 
     start = time.perf_counter()
@@ -268,7 +275,7 @@ def load_model(
     logger.info("%s", choice)
     dtype = choice.dtype
     model = build_model(hf_config, dtype, device, tp)
-    model.load_weights(iter_weights(model_dir, device, model.checkpoint_slice))
+    model.load_weights(iter_weights(model_dir, device, model.checkpoint_slice, progress))
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s (%s, %s) on %s in %.1f s",

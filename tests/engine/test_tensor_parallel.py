@@ -29,15 +29,22 @@ LOGPROB_TOL = 1e-4
 NEAR_TIE = 2 * LOGPROB_TOL
 MAX_NEW = 16
 
+# case -> (architecture, checkpoint overrides, engine overrides)
 CASES = {
     # 2 KV heads: one per rank; q/k/v, o and down biases (o and down added on rank 0 only).
-    "llama": dict(attention_bias=True, mlp_bias=True),
+    "llama": ("llama", dict(attention_bias=True, mlp_bias=True), {}),
+    # The same without the CPU kernels: the plain torch forward (llama.py's own all-reduces).
+    "llama-plain": ("llama", dict(attention_bias=True, mlp_bias=True), {"cpu_kernels": False}),
     # 1 KV head, replicated on both ranks; sliding window; tied embeddings as the LM head.
-    "mistral": dict(num_key_value_heads=1, sliding_window=8, tie_word_embeddings=True),
+    "mistral": (
+        "mistral",
+        dict(num_key_value_heads=1, sliding_window=8, tie_word_embeddings=True),
+        {},
+    ),
     # q/k/v biases; 515 tokens: the vocabulary pads to 516, one zero row on rank 1.
-    "qwen2": dict(vocab_size=515),
+    "qwen2": ("qwen2", dict(vocab_size=515), {}),
     # per-head q/k norms; 1 KV head, replicated; layer 1 slides.
-    "qwen3": dict(num_key_value_heads=1, sliding_window=8),
+    "qwen3": ("qwen3", dict(num_key_value_heads=1, sliding_window=8), {}),
 }
 ENGINE = dict(
     dtype="float32", device="cpu", block_size=4, num_kv_blocks=40, max_num_batched_tokens=16,
@@ -54,10 +61,13 @@ class Pair:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tiny_checkpoint):
-    model_dir = tiny_checkpoint(request.param, **CASES[request.param])
-    tp2 = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE)
+    arch, checkpoint, engine = CASES[request.param]
+    model_dir = tiny_checkpoint(arch, **checkpoint)
+    tp2 = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE, **engine)
     try:
-        yield Pair(model_dir, LLM(str(model_dir), **ENGINE), tp2)
+        if engine.get("cpu_kernels") is False:
+            assert not tp2.engine.runner.model._cpu_fused
+        yield Pair(model_dir, LLM(str(model_dir), **ENGINE, **engine), tp2)
     finally:
         tp2.close()
 
@@ -93,17 +103,17 @@ def _workload(llm: LLM) -> tuple[list[RequestOutput], dict[str, int]]:
 
 
 def assert_same_greedy(
-    got: list[list[int]], ref: list[list[int]], margins_from: list[RequestOutput], what: str
+    got: list[list[int]], ref: list[list[int]], margins_from: list[list], what: str
 ) -> int:
     """Each sequence equal to its reference, or diverging first at a near-tie: the top-2
-    margin of `margins_from` (a run that produced the shared prefix) at that token is below
-    NEAR_TIE. Returns how many sequences diverged at a near-tie."""
+    margin in `margins_from` (the per-token logprobs of a run that produced the shared
+    prefix) at that token is below NEAR_TIE. Returns how many diverged at a near-tie."""
     near_ties = 0
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         if g == r:
             continue
         k = next(j for j, (a, b) in enumerate(zip(g, r, strict=True)) if a != b)
-        top = margins_from[i].outputs[0].logprobs[k].top
+        top = margins_from[i][k].top
         margin = top[0][1] - top[1][1]
         assert margin < NEAR_TIE, (
             f"{what}: sequence {i} diverges at token {k} ({g[k]} vs {r[k]}) although the "
@@ -117,6 +127,10 @@ def _ids(outs: list[RequestOutput]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _logprobs(outs: list[RequestOutput]) -> list[list]:
+    return [o.outputs[0].logprobs for o in outs]
+
+
 def test_greedy_tokens_equal_tp1_and_transformers_under_chunking_prefix_hits_and_preemption(
     pair: Pair, hf_greedy
 ) -> None:
@@ -125,8 +139,8 @@ def test_greedy_tokens_equal_tp1_and_transformers_under_chunking_prefix_hits_and
     assert counts2["prefix_hits"] > 0 and counts2["preemptions"] > 0, counts2
     assert counts2["free_blocks"] == ENGINE["num_kv_blocks"]  # every block came back
     ref = hf_greedy(pair.model_dir, _prompts()[1], MAX_NEW, ignore_eos=True)
-    ties = assert_same_greedy(_ids(out2), _ids(out1), out1, "TP=2 vs TP=1")
-    ties += assert_same_greedy(_ids(out2), ref, out2, "TP=2 vs transformers")
+    ties = assert_same_greedy(_ids(out2), _ids(out1), _logprobs(out1), "TP=2 vs TP=1")
+    ties += assert_same_greedy(_ids(out2), ref, _logprobs(out2), "TP=2 vs transformers")
     if ties == 0:  # same tokens: the scheduler made the same decisions
         assert counts2 == counts1
     for a, b in zip(out1, out2, strict=True):  # logprobs of the sampled tokens agree
@@ -149,3 +163,14 @@ def test_teacher_forced_logprobs_within_1e_4_of_tp1(pair: Pair) -> None:
         assert len(a) == len(b) == len(seq) - 1
         worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
         assert worst < LOGPROB_TOL, worst
+
+
+def test_forked_samples_copy_blocks_on_every_rank(pair: Pair) -> None:
+    """n=3 greedy samples fork the prompt's blocks and copy the shared partial block when
+    they write into it (copy-on-write runs on every rank): each sample equals TP=1's."""
+    _, prompts = _prompts()
+    one, two = ([c for o in _generate(llm, prompts[:2], n=3, logprobs=2) for c in o.outputs]
+                for llm in (pair.tp1, pair.tp2))  # fmt: skip
+    ids = lambda samples: [c.token_ids for c in samples]  # noqa: E731
+    assert_same_greedy(ids(two), ids(one), [c.logprobs for c in one], "TP=2 vs TP=1, n=3")
+    assert pair.tp2.engine.stats().num_free_blocks == ENGINE["num_kv_blocks"]

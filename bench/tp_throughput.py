@@ -50,10 +50,10 @@ def child(args: argparse.Namespace) -> None:
         with LoadMeter() as load:  # this process and its TP worker are "own"
             outs = llm.generate(prompts, params, use_tqdm=False)
         tok_s.append(sum(len(o.outputs[0].token_ids) for o in outs) / load.wall_s)
-        loads.append(load.as_dict()["other_cores"])
+        loads.append(load.as_dict())
         ids = [o.outputs[0].token_ids for o in outs]
     llm.close()
-    print(json.dumps({"tok_s": tok_s, "other_cores": loads, "ids": ids}))
+    print(json.dumps({"tok_s": tok_s, "loads": loads, "ids": ids}))
 
 
 def run_size(args: argparse.Namespace, tp: int) -> dict:
@@ -94,7 +94,10 @@ def main() -> None:
         record[f"tp{tp}"] = {
             "tok_s": round(median(r["tok_s"]), 1),
             "tok_s_all": [round(x, 1) for x in r["tok_s"]],
-            "other_cores_all": r["other_cores"],
+            # own: this TP size's processes (rank 0 and its workers); other: the rest of
+            # the box. TP=2's ranks wait on each other, so they leave room for other jobs.
+            "own_cores_all": [x["own_cores"] for x in r["loads"]],
+            "other_cores_all": [x["other_cores"] for x in r["loads"]],
         }
     record["tp2_over_tp1"] = round(record["tp2"]["tok_s"] / record["tp1"]["tok_s"], 3)
     record["greedy_sequences_equal"] = f"{same}/{args.requests}"

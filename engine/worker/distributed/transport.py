@@ -13,10 +13,11 @@ matchers do not pickle).
 Transport: per worker, a ring of `RING_SLOTS` slots in shared memory and a semaphore that
 counts the messages in it. `bench/tp_transport.py` measured the whole per-step cost (send,
 wake-up, decode, up to the step's first collective) of a multiprocessing pipe, this ring, and
-torch.distributed's broadcast_object_list: the ring was the cheapest at every message size,
-but only by 1-12 µs per step over the pipe (the flat encoding is what mattered: 2x), and
-2.5-14x cheaper than the broadcast (docs/scaling.md has the table). A message larger than a
-slot (a step admitting very long prompts) goes over the worker's pipe, its slot saying so.
+torch.distributed's broadcast_object_list. The ring was at or below the pipe in 7 of 8
+(message, run) pairs, by 1-49 µs per step (a 4x512 prefill step once 12 µs under, once 29
+µs over), and 3-24x under the broadcast; flattening the message mattered more (2x). The
+table is in docs/scaling.md. A message larger than a slot (a step admitting very long
+prompts) goes over the worker's pipe, its slot saying so.
 The writer never waits unless the worker is `RING_SLOTS` messages behind; rank 0 cannot run
 ahead that far in practice, since every step with tokens ends in collectives both ranks
 join, and the wait is bounded by the parallel timeout and ends when the pool fails.

@@ -65,9 +65,13 @@ def pair(request, tiny_checkpoint):
     model_dir = tiny_checkpoint(arch, **checkpoint)
     tp2 = LLM(str(model_dir), tensor_parallel_size=2, **ENGINE, **engine)
     try:
-        if engine.get("cpu_kernels") is False:
-            assert not tp2.engine.runner.model._cpu_fused
-        yield Pair(model_dir, LLM(str(model_dir), **ENGINE, **engine), tp2)
+        tp1 = LLM(str(model_dir), **ENGINE, **engine)
+        # The shards take the same CPU path as the whole model (fused kernels where they
+        # build, unless cpu_kernels is off).
+        fused = tp2.engine.runner.model._cpu_fused
+        assert fused == tp1.engine.runner.model._cpu_fused
+        assert not fused or engine.get("cpu_kernels", True)
+        yield Pair(model_dir, tp1, tp2)
     finally:
         tp2.close()
 

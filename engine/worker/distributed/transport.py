@@ -15,7 +15,7 @@ counts the messages in it. `bench/tp_transport.py` measured the whole per-step c
 wake-up, decode, up to the step's first collective) of a multiprocessing pipe, this ring, and
 torch.distributed's broadcast_object_list. The ring was at or below the pipe in 7 of 8
 (message, run) pairs, by 1-49 µs per step (a 4x512 prefill step once 12 µs under, once 29
-µs over), and 3-24x under the broadcast; flattening the message mattered more (2x). The
+µs over), and 3-24x under the broadcast; flattening the message mattered more (1.2-3x). The
 table is in docs/scaling.md. A message larger than a slot (a step admitting very long
 prompts) goes over the worker's pipe, its slot saying so.
 The writer never waits unless the worker is `RING_SLOTS` messages behind; rank 0 cannot run

@@ -18,6 +18,9 @@ of frontends, on any number of event loops, may share one AsyncEngine. If a step
 the requests in it fail (their iterators raise `RequestFailedError`; requests waiting
 outside the failed step carry on) and the loop carries on; after `max_consecutive_failures`
 failing steps in a row the engine is declared dead (`is_healthy` False, `EngineDeadError`).
+A step that raises `EngineDeadError` itself (a tensor-parallel worker died or hung) kills the
+engine at once, failing every request with its message; so does the engine's
+`fatal_error` turning non-None between steps (health goes red while idle).
 
 A step that never returns (a wedged device, a deadlock in a kernel) cannot be interrupted
 from Python, so the watchdog is passive: with `step_timeout_s` set, a step running longer
@@ -166,7 +169,12 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive() and self._hung_for() is None
+        return (
+            self._dead is None
+            and self._thread.is_alive()
+            and self._hung_for() is None
+            and self.engine.fatal_error is None
+        )
 
     @property
     def accelerator(self) -> AcceleratorStatus:
@@ -179,10 +187,12 @@ class AsyncEngine:
 
     @property
     def dead_reason(self) -> str | None:
+        if self._dead is not None:
+            return self._dead
         hung = self._hung_for()
-        if self._dead is None and hung is not None:
+        if hung is not None:
             return f"an engine step has been running for {hung:.0f}s (step_timeout_s)"
-        return self._dead
+        return self.engine.fatal_error
 
     def _hung_for(self) -> float | None:
         """Seconds the current step has run, if that is beyond `step_timeout_s`."""
@@ -326,6 +336,7 @@ class AsyncEngine:
             self._cond.notify()
         # A hung step never returns: do not wait for it (the thread is a daemon).
         await asyncio.to_thread(self._thread.join, 1.0 if self._hung_for() else 30.0)
+        await asyncio.to_thread(self.engine.close)  # e.g. the tensor-parallel workers
         logger.info("engine loop stopped", extra={"fields": {"aborted": left}})
 
     def _check_accepting(self) -> None:
@@ -453,6 +464,11 @@ class AsyncEngine:
         self.num_failed_steps += 1
         self._consecutive_failures += 1
         message = f"engine step failed: {type(e).__name__}: {e}"
+        if isinstance(e, EngineDeadError):  # e.g. a tensor-parallel worker died: no retries
+            logger.error("engine step failed for good: %s", e)
+            self._fail_everything(message, out)
+            self._die(message)
+            return
         logger.error(
             "engine step failed",
             exc_info=True,
@@ -480,6 +496,18 @@ class AsyncEngine:
                 self._abort_one(rid, RequestFailedError(message), out)
         if self._consecutive_failures >= self.max_consecutive_failures:
             self._die(f"{self._consecutive_failures} consecutive failing steps; last: {message}")
+
+    def _fail_everything(self, message: str, out: dict) -> None:
+        """Every request the engine holds fails with `message` (the engine cannot go on)."""
+        try:
+            failed = self.engine.fail_all(message)
+        except Exception:
+            logger.exception("failing the requests in flight failed")
+            failed = []
+        for delta in failed:
+            if not delta.error:
+                delta.error = message
+            self._deliver(delta, out)
 
     def _die(self, reason: str) -> None:
         """Marks the engine dead and fails every stream and queued add; runs on any thread."""

@@ -162,9 +162,13 @@ class ParallelConfig:
     # Ranks the model is split across (Megatron-style tensor parallelism over
     # torch.distributed: NCCL on CUDA, gloo on the CPU). Must divide the attention heads.
     tensor_parallel_size: int = 1
+    # Seconds one rank waits for the others (in a collective, or for a step to finish)
+    # before a worker counts as hung and the engine fails, rather than waiting forever.
+    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "parallel.tensor_parallel_size", "must be >= 1")
+        _require(self.timeout_s > 0, "parallel.timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -54,3 +54,8 @@ class EngineDeadError(EngineError):
 
 class RequestFailedError(EngineError):
     """A step raised while this request was in it; the request was failed, the engine lives."""
+
+
+class WorkerFailedError(EngineDeadError):
+    """A tensor-parallel worker died or hung, or a failed step left the ranks out of step:
+    the engine can run no further step. The message names the rank and what happened."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -33,10 +34,13 @@ from engine.output.processor import OutputProcessor
 from engine.output.request_output import RequestDelta
 from engine.output.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
-from engine.worker.kv_sizing import KVGeometry, size_cpu_kv_cache, size_gpu_kv_cache
+from engine.worker.distributed.group import threads_per_rank
+from engine.worker.distributed.pool import WorkerPool
+from engine.worker.kv_sizing import KVGeometry, size_kv_cache
 from engine.worker.lora.model_lora import check_lora_runtime
 from engine.worker.lora.registry import LoRARegistry
-from engine.worker.models.loader import load_model
+from engine.worker.models.loader import load_model, resolve_max_model_len
+from engine.worker.models.parallel import TensorParallel
 from engine.worker.runner import ModelRunner
 from engine.worker.structured.compiler import GrammarCompiler
 
@@ -82,20 +86,44 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         rt = config.runtime
-        if rt.num_threads is not None:
-            torch.set_num_threads(rt.num_threads)
+        tp_size = config.parallel.tensor_parallel_size
+        threads = threads_per_rank(rt, tp_size)
+        if threads is not None:
+            torch.set_num_threads(threads)
         torch.manual_seed(config.model.seed)
         self.device = resolve_device(rt.device)
         check_lora_runtime(config, self.device)
         t0 = time.perf_counter()
-        loaded = load_model(config.model, self.device)
+        # Tensor parallelism: this process is rank 0 (scheduler, sampler, its own shard);
+        # the pool holds ranks 1.. (None at size 1). See engine/worker/distributed/.
+        self.tp_workers = WorkerPool.start(config, self.device) if tp_size > 1 else None
+        try:
+            self._build(t0)
+        except BaseException as e:
+            if self.tp_workers is None:
+                raise
+            cause = e if isinstance(e, ConfigError) else self.tp_workers.explain_start_failure(e)
+            self.tp_workers.close()
+            if cause is e:
+                raise
+            raise cause from e
+        if self.tp_workers is not None:
+            # Workers outlive nothing: a dropped engine stops them too.
+            weakref.finalize(self, self.tp_workers.close)
+
+    def _build(self, t0: float) -> None:
+        config, rt = self.config, self.config.runtime
+        tp = self.tp_workers.tp if self.tp_workers is not None else TensorParallel()
+        loaded = load_model(config.model, self.device, tp)
+        if self.tp_workers is not None:
+            self.tp_workers.await_loaded()
         self.hf_config = loaded.hf_config
         self.model_dir = loaded.model_dir
         self.tokenizer = Tokenizer.from_pretrained(loaded.model_dir)
         model = loaded.model
         self.vocab_size = model.vocab_size
         self.model_name = config.model.served_name or _default_served_name(config, loaded)
-        self.max_model_len = _max_model_len(config, loaded.hf_config)
+        self.max_model_len = resolve_max_model_len(config.model, loaded.hf_config)
         block_size = config.cache.block_size
         self.runner = ModelRunner(
             model,
@@ -111,11 +139,11 @@ class LLMEngine:
         self.loras = (
             LoRARegistry(lora.shapes, config.lora, lora.dtype) if lora is not None else None
         )
-        geom = KVGeometry(
-            model.num_layers, block_size, model.num_kv_heads, model.head_dim, loaded.dtype
-        )
-        num_blocks = self._size_kv_cache(geom)
+        geom = KVGeometry.of(model, block_size, loaded.dtype)
+        num_blocks = size_kv_cache(self.runner, config, geom, self.max_model_len, tp)
         self.runner.allocate_kv_cache(num_blocks)
+        if self.tp_workers is not None:
+            self.tp_workers.await_ready(num_blocks)
         self.runner.capture_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         # Attention backend and decode graphs as they ended up, with any fallback's reason.
         self.accelerator = self.runner.status
@@ -138,19 +166,23 @@ class LLMEngine:
         self._step_output: SchedulerOutput | None = None
         logger.info(
             "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d "
-            "max_model_len=%d attention=%s decode_graphs=%s load_s=%.1f",
+            "max_model_len=%d attention=%s decode_graphs=%s tensor_parallel=%d load_s=%.1f",
             self.model_name, self.device, loaded.dtype, num_blocks, block_size,
             self.max_model_len, self.accelerator.attention_backend,
-            self.accelerator.decode_graphs, time.perf_counter() - t0,
+            self.accelerator.decode_graphs, tp.size, time.perf_counter() - t0,
         )  # fmt: skip
 
-    # ---- set-up ---------------------------------------------------------------------------
-    def _size_kv_cache(self, geom: KVGeometry) -> int:
-        if self.device.type != "cuda":
-            return size_cpu_kv_cache(self.config.cache, geom, self.max_model_len)
-        return size_gpu_kv_cache(
-            self.runner, self.config.cache, self.config.scheduler, geom, self.max_model_len
-        )
+    # ---- lifetime -------------------------------------------------------------------------
+    @property
+    def fatal_error(self) -> str | None:
+        """Why this engine can never run another step (a tensor-parallel worker died or
+        hung), else None. Read from any thread: it turns health red while idle too."""
+        return self.tp_workers.fatal if self.tp_workers is not None else None
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (a no-op on one device). Idempotent."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
 
     # ---- requests -------------------------------------------------------------------------
     def prepare_request(
@@ -280,7 +312,10 @@ class LLMEngine:
         """Runs one step; returns what each request that progressed gained in it."""
         self._step_output = None
         so = self._step_output = self.scheduler.schedule()
-        runner_out = self.runner.execute(so)
+        if self.tp_workers is None:
+            runner_out = self.runner.execute(so)
+        else:  # every rank runs the step; rank 0's runner samples
+            runner_out = self.tp_workers.run_step(self.runner.execute, so)
         updated = self.scheduler.update_from_output(so, runner_out)
         self._generation_tokens_total += sum(len(t) for t in runner_out.sampled_token_ids)
         touched, stops = self.outputs.process(updated, runner_out)
@@ -399,18 +434,6 @@ def _int64(x: int) -> int:
     """x wrapped into int64 (a sample's seed is the request's + its index): the generator
     takes seeds modulo 2**64, so the wrapped seed draws the same numbers."""
     return (x + 2**63) % 2**64 - 2**63
-
-
-def _max_model_len(config: EngineConfig, hf_config) -> int:
-    native = getattr(hf_config, "max_position_embeddings", None) or 4096
-    asked = config.model.max_model_len
-    if asked is None:
-        return native
-    if asked > native:
-        raise ConfigError(
-            "model.max_model_len", f"{asked} exceeds the model's max_position_embeddings {native}"
-        )
-    return asked
 
 
 def _default_served_name(config: EngineConfig, loaded) -> str:

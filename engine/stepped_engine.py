@@ -78,3 +78,13 @@ class SteppedEngine(Protocol):
     def is_lora_loaded(self, lora: LoRARequest) -> bool: ...
 
     def lora_in_use(self, lora_name: str) -> bool: ...
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why no step can ever run again (e.g. a tensor-parallel worker died), else None.
+        Read from any thread."""
+        ...
+
+    def close(self) -> None:
+        """Releases what outlives a step (tensor-parallel workers); after the loop stopped."""
+        ...

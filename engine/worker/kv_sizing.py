@@ -3,6 +3,10 @@
 On the GPU the budget is `memory_fraction * total` minus what is already allocated (the
 weights) minus the activation peak of a profiling forward at `max_num_batched_tokens`,
 measured by the runner and passed in as `activation_peak_bytes`.
+
+Under tensor parallelism every rank sizes its own cache from its own geometry (its KV
+heads) and memory, and all take the smallest count (`size_kv_cache`): the scheduler on
+rank 0 hands out one set of block ids that every rank's cache must hold.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import CacheConfig, ConfigError, SchedulerConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from engine.core.admission import max_request_blocks
 from engine.core.step_io import NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
+from engine.worker.models.parallel import TensorParallel
 from engine.worker.sampler import SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -34,6 +39,11 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model, block_size: int, dtype: torch.dtype) -> KVGeometry:
+        """The cache geometry of `model` (its KV heads: this rank's, under tensor parallelism)."""
+        return cls(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -55,6 +65,18 @@ def check_room_for_one_request(
             f"model.max_model_len={max_model_len} request needs {need}; raise {key} or lower "
             "model.max_model_len",
         )
+
+
+def size_kv_cache(
+    runner, config: EngineConfig, geom: KVGeometry, max_model_len: int, tp: TensorParallel
+) -> int:
+    """KV blocks for the runner's device (GPU: memory fraction after profiling; else the CPU
+    rule), the smallest over the tensor-parallel ranks (each rank calls this in step)."""
+    if runner.device.type == "cuda":
+        n = size_gpu_kv_cache(runner, config.cache, config.scheduler, geom, max_model_len)
+    else:
+        n = size_cpu_kv_cache(config.cache, geom, max_model_len)
+    return tp.min_int(n)
 
 
 def size_cpu_kv_cache(cache: CacheConfig, geom: KVGeometry, max_model_len: int) -> int:

@@ -238,6 +238,14 @@ class ModelRunner:
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
+    def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
+        """A tensor-parallel worker's copy of what rank 0 sampled in the previous step
+        (workers do not sample; their next inputs need the tokens)."""
+        for rid, tok in zip(req_ids, token_ids, strict=True):
+            st = self.states.get(rid)
+            if st is not None:
+                st.token_ids.append(tok)
+
     # ---- execution ------------------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """The step's flat inputs. With LoRA the requests are ordered by adapter slot (each
@@ -267,6 +275,8 @@ class ModelRunner:
         if not inputs.sample_rows:
             return out
         logits = self.model.compute_logits(_sample_hidden(hidden, inputs))
+        if logits is None:  # a tensor-parallel worker: rank 0 got the logits and samples
+            return out
         states = [self.states[rid] for rid in inputs.sample_req_ids]
         bitmask = self._grammar_bitmask(states, logits.shape[1])
         rows = [self._sampling_row(st) for st in states]
@@ -340,6 +350,8 @@ class ModelRunner:
             for start in range(0, count, PROMPT_LOGPROBS_CHUNK):
                 n = min(PROMPT_LOGPROBS_CHUNK, count - start)
                 logits = self.model.compute_logits(hidden[row0 + start : row0 + start + n])
+                if logits is None:  # a tensor-parallel worker: rank 0 scores the prompt
+                    continue
                 first = pos0 + 1 + start
                 targets = torch.tensor(st.token_ids[first : first + n], device=self.device)
                 entries += compute_prompt_logprobs(logits, targets, st.params.prompt_logprobs or 0)

@@ -100,6 +100,8 @@ class FakeLLMEngine:
         self._stats = FakeStats()
         self.replies: list[str] = []  # scripted answers, taken in order
         self.requests: list[_Req] = []
+        self.fatal_error: str | None = None  # set: the engine can never step again
+        self.closed = False
 
     def prepare_request(
         self,
@@ -213,6 +215,9 @@ class FakeLLMEngine:
 
     def has_request(self, request_id: str) -> bool:
         return any(r.request_id == request_id for r in self.running + self.waiting)
+
+    def close(self) -> None:
+        self.closed = True
 
     def stats(self) -> FakeStats:
         s = self._stats

@@ -169,7 +169,8 @@ def make_tiny_checkpoint(
       `use_sliding_window` with `max_window_layers=1`, so layer 0 is full and layer 1 slides.
     - `rope_scaling`: "llama3", "linear" or a full dict (rope_type, factor, ...).
     - `max_shard_size`: e.g. "60KB" to get several shards and model.safetensors.index.json.
-    - `config_overrides`: any other config field (hidden_size, num_hidden_layers, ...).
+    - `config_overrides`: any other config field (hidden_size, num_hidden_layers, ...;
+      `vocab_size` at least the tokenizer's, for a model with padded embeddings).
     """
     import transformers
     from transformers import GenerationConfig
@@ -192,7 +193,8 @@ def make_tiny_checkpoint(
         variant = _ROPE_VARIANTS[rope_scaling] if isinstance(rope_scaling, str) else rope_scaling
         overrides["rope_scaling"] = dict(variant)
     overrides.update(config_overrides)
-    config = tiny_config(arch, vocab_size=len(tokenizer), **overrides)
+    vocab_size = overrides.pop("vocab_size", len(tokenizer))  # wider: padded embeddings
+    config = tiny_config(arch, vocab_size=vocab_size, **overrides)
 
     torch.manual_seed(seed)
     model_cls = getattr(transformers, _ARCH_CLASSES[arch][1])

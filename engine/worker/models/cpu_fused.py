@@ -4,7 +4,8 @@ Same math as `LlamaForCausalLM.forward` and its layers, restructured the way fus
 want it: the residual stream is carried separately and updated in place by the RMSNorm that
 follows each sublayer (`x + sublayer(norm(x))` becomes `residual += out; norm(residual)`),
 rotary embedding rotates q and k inside the fused qkv output in place, and SiLU-and-mul is
-one pass. Linear layers and attention are the model's own modules. Used for fp32 and bf16 on
+one pass. Linear layers and attention are the model's own modules (each rank's shards under
+tensor parallelism, with the same all-reduces as the plain forward). Used for fp32 and bf16 on
 the CPU with the kernel library loaded (`LlamaForCausalLM.enable_cpu_kernels`); in bf16 the
 residual stream and every activation stay bf16 between ops, as in transformers.
 """
@@ -44,7 +45,7 @@ def _layer(layer, h, residual, positions, rot, kv_cache, ctx):
     a = _attention(layer.self_attn, x, positions, rot, kv_cache, ctx)
     x = fused.add_rms_norm(a, residual, ln2.weight, ln2.eps)
     mlp = layer.mlp
-    return mlp.down_proj(fused.silu_and_mul(mlp.gate_up_proj(x))), residual
+    return mlp.tp.all_reduce(mlp.down_proj(fused.silu_and_mul(mlp.gate_up_proj(x)))), residual
 
 
 def _attention(attn, x, positions, rot, kv_cache, ctx):
@@ -63,4 +64,4 @@ def _attention(attn, x, positions, rot, kv_cache, ctx):
         cos, sin = rot(positions, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out = ctx.backend.forward(q, k, v.view(-1, Hkv, D), kv_cache, ctx.attn_metadata, spec)
-    return attn.o_proj(out.reshape(-1, qs))
+    return attn.tp.all_reduce(attn.o_proj(out.reshape(-1, qs)))

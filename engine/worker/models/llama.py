@@ -9,6 +9,11 @@ checkpoint except for the fused projections:
 
 Tokens of all requests of a step are flattened into one dimension T; attention goes through
 `ctx.backend`, which reads and writes the paged KV cache.
+
+Under tensor parallelism (`tp`, see parallel.py) each rank builds the same modules at its
+shard's sizes (its heads, its intermediate features, its vocabulary rows); the only changes
+to the forward are the all-reduce after o_proj and after down_proj and the logits gathered
+on rank 0.
 """
 
 from __future__ import annotations
@@ -31,7 +36,14 @@ from engine.worker.models.cpu_linear import (
     small_rows,
 )
 from engine.worker.models.layers import FusedLinear, RMSNorm, silu_and_mul
+from engine.worker.models.parallel import (
+    TensorParallel,
+    VocabParallelEmbedding,
+    head_shard,
+    vocab_rows,
+)
 from engine.worker.models.rope import RotaryEmbedding, apply_rope
+from engine.worker.models.sharding import CheckpointSlice, LlamaShardPlan
 
 # HF projection name -> (fused module name, shard name)
 _FUSED = {
@@ -71,9 +83,17 @@ def layer_sliding_windows(hf_config: Any) -> list[int | None]:
 
 
 class Attention(nn.Module):
-    def __init__(self, hf_config: Any, spec: AttentionLayerSpec, flags: dict[str, bool]):
+    def __init__(
+        self,
+        hf_config: Any,
+        spec: AttentionLayerSpec,
+        flags: dict[str, bool],
+        tp: TensorParallel,
+    ):
+        """`spec` holds this rank's heads; o_proj takes their features (row-parallel)."""
         super().__init__()
         self.spec = spec
+        self.tp = tp
         h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = h * d, hkv * d
         self.qkv_proj = FusedLinear(
@@ -104,29 +124,38 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, spec)  # [T, H, D]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: Any, tp: TensorParallel):
+        """This rank's 1/tp.size of the intermediate features (column- then row-parallel)."""
         super().__init__()
-        inter, bias = hf_config.intermediate_size, bool(getattr(hf_config, "mlp_bias", False))
+        self.tp = tp
+        inter = hf_config.intermediate_size // tp.size
+        bias = bool(getattr(hf_config, "mlp_bias", False))
         self.gate_up_proj = FusedLinear(
             hf_config.hidden_size, {"gate": inter, "up": inter}, bias=bias
         )
         self.down_proj = nn.Linear(inter, hf_config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, spec: AttentionLayerSpec, flags: dict[str, bool]):
+    def __init__(
+        self,
+        hf_config: Any,
+        spec: AttentionLayerSpec,
+        flags: dict[str, bool],
+        tp: TensorParallel,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.self_attn = Attention(hf_config, spec, flags)
+        self.self_attn = Attention(hf_config, spec, flags, tp)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.mlp = MLP(hf_config)
+        self.mlp = MLP(hf_config, tp)
 
     def forward(
         self,
@@ -142,10 +171,16 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
 
-    def __init__(self, hf_config: Any, specs: list[AttentionLayerSpec], flags: dict[str, bool]):
+    def __init__(
+        self,
+        hf_config: Any,
+        specs: list[AttentionLayerSpec],
+        flags: dict[str, bool],
+        tp: TensorParallel,
+    ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(hf_config, s, flags) for s in specs)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(hf_config, s, flags, tp) for s in specs)
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(hf_config, specs[0].head_dim)
 
@@ -158,15 +193,20 @@ class LlamaForCausalLM(nn.Module):
     o_bias: ClassVar[bool | None] = None
     qk_norm: ClassVar[bool] = False
 
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: Any, tp: TensorParallel | None = None):
+        """`tp`: this rank's place in a tensor-parallel group (default: one device)."""
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         self.config = hf_config
+        self.tp = tp = tp or TensorParallel()
         self.num_layers = hf_config.num_hidden_layers
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
+        heads = head_shard(total_heads, total_kv_heads, tp)
+        # This rank's heads (all of them at tp.size 1): the attention specs and KV cache.
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.head_dim = head_dim_of(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -186,11 +226,15 @@ class LlamaForCausalLM(nn.Module):
             )
             for window in layer_sliding_windows(hf_config)
         ]
-        self.model = DecoderModel(hf_config, self.attention_specs, flags)
+        self.model = DecoderModel(hf_config, self.attention_specs, flags, tp)
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, self.vocab_size, bias=False)
+            rows = vocab_rows(self.vocab_size, tp)[1]
+            self.lm_head = nn.Linear(hf_config.hidden_size, rows, bias=False)
+        self._shard_plan = (
+            LlamaShardPlan(hf_config, heads, self.head_dim, tp) if tp.size > 1 else None
+        )
         self._packed_embedding: torch.Tensor | None = None  # tied LM head, packed
         self._cpu_fused = False  # forward through models/cpu_fused.py
 
@@ -225,13 +269,27 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos_sin, ctx.kv_caches[i], ctx)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32 (matmul in the model dtype, like HF)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (matmul in the model dtype, like HF).
+
+        Under tensor parallelism every rank computes its vocabulary columns and rank 0 gets
+        them all; the other ranks get None (they must still call this: it is a collective)."""
+        logits = self.tp.gather_columns(self._local_logits(hidden))
+        if logits is None or logits.shape[1] == self.vocab_size:
+            return logits
+        return logits[:, : self.vocab_size].contiguous()  # without the padding columns
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, this rank's vocab]
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        emb = self.model.embed_tokens.weight
         if self._packed_embedding is not None and hidden.shape[0] >= small_rows(hidden.dtype):
-            return packed_linear(hidden, self._packed_embedding, None, self.vocab_size).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return packed_linear(hidden, self._packed_embedding, None, emb.shape[0]).float()
+        return F.linear(hidden, emb).float()
+
+    def checkpoint_slice(self, name: str) -> CheckpointSlice | None:
+        """The part of checkpoint tensor `name` this rank loads (None: all of it)."""
+        return None if self._shard_plan is None else self._shard_plan.slice_for(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our parameters, fusing q/k/v and gate/up.

@@ -1,12 +1,14 @@
 """Find a checkpoint, build our model class for it and fill it from safetensors.
 
-    resolve_model_path(path)  ->  HF-format directory (config.json, *.safetensors, tokenizer)
-    load_model(config, dev)   ->  LoadedModel (model on `dev`, eval mode, no grads)
+    resolve_model_path(path)      ->  HF-format directory (config.json, *.safetensors, tokenizer)
+    load_model(config, dev, tp)   ->  LoadedModel (model on `dev`, eval mode, no grads)
 
 Accepted paths: a local HF directory, a `.gguf` file, a directory holding exactly one `.gguf`
 (both converted once, see gguf_loader.py), a hub id already in the local HF cache (never
 downloaded), or None for the default model. The model is built on the meta device and
 materialized directly on the target device, so no time goes into random initialization.
+Under tensor parallelism (`tp`) each rank builds its shard of the model and reads only its
+slices of the checkpoint (`model.checkpoint_slice`, see sharding.py).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from engine.config import ConfigError, ModelConfig
 from engine.worker.cpu_features import Bf16Support, native_bf16
 from engine.worker.models.default_model import default_model_gguf
 from engine.worker.models.gguf_loader import convert_gguf
+from engine.worker.models.parallel import TensorParallel
 from engine.worker.models.registry import get_model_class
 from engine.worker.models.rope import RotaryEmbedding
+from engine.worker.models.sharding import CheckpointSlice
 
 logger = logging.getLogger(__name__)
 
@@ -171,18 +175,47 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of every shard, with a progress bar over shards."""
+def iter_weights(
+    model_dir: Path,
+    device: torch.device,
+    select: Callable[[str], CheckpointSlice | None] | None = None,
+    progress: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of every shard, with a progress bar over shards
+    unless `progress` is False (tensor-parallel workers: rank 0 shows it).
+
+    `select(name)`: the part of the tensor to read (a tensor-parallel rank's slice); None,
+    or no `select`, reads all of it."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
 
     files = safetensors_files(model_dir)
     # safetensors opens straight onto CUDA; CPU tensors come from the memory map.
     target = str(device) if device.type in ("cpu", "cuda") else "cpu"
-    for f in tqdm(files, desc="Loading safetensors shards", unit="shard", leave=False):
+    bar = tqdm(files, desc="Loading safetensors shards", unit="shard", leave=False,
+               disable=not progress)  # fmt: skip
+    for f in bar:
         with safe_open(str(f), framework="pt", device=target) as sf:
             for name in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, sf.get_tensor(name)
+                part = select(name) if select is not None else None
+                yield name, sf.get_tensor(name) if part is None else _read_slice(sf, name, part)
+
+
+def _read_slice(sf: Any, name: str, part: CheckpointSlice) -> torch.Tensor:
+    """Reads only `part` of tensor `name` from an open safetensors file."""
+    if part.zeros:
+        return torch.zeros_like(sf.get_tensor(name))  # a bias: one vector, read whole
+    view = sf.get_slice(name)
+    extent = view.get_shape()[part.dim]
+    index = [slice(None)] * len(view.get_shape())
+    index[part.dim] = slice(min(part.start, extent), min(part.stop, extent))
+    t = view[tuple(index)]
+    missing = part.length - t.shape[part.dim]
+    if missing:  # vocabulary padding past the last row
+        pad_shape = list(t.shape)
+        pad_shape[part.dim] = missing
+        t = torch.cat([t, t.new_zeros(pad_shape)], dim=part.dim)
+    return t
 
 
 def read_generation_config(model_dir: Path, hf_config: Any) -> dict[str, Any]:
@@ -195,11 +228,14 @@ def read_generation_config(model_dir: Path, hf_config: Any) -> dict[str, Any]:
     return gen
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Our model class for the config, uninitialized on `device` (rope tables computed)."""
+def build_model(
+    hf_config: Any, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+) -> nn.Module:
+    """Our model class for the config (this rank's shard under `tp`), uninitialized on
+    `device` (rope tables computed)."""
     cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     with torch.device("meta"):
-        model = cls(hf_config)
+        model = cls(hf_config) if tp is None else cls(hf_config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -207,24 +243,39 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.
     return model
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
-    """Resolve, build and load the model named by `model_config` onto `device`."""
+def resolve_max_model_len(model_config: ModelConfig, hf_config: Any) -> int:
+    """model.max_model_len, or the checkpoint's max_position_embeddings (4096 if it has
+    none); ConfigError when the setting exceeds the checkpoint's."""
+    native = getattr(hf_config, "max_position_embeddings", None) or 4096
+    asked = model_config.max_model_len
+    if asked is None:
+        return native
+    if asked > native:
+        raise ConfigError(
+            "model.max_model_len", f"{asked} exceeds the model's max_position_embeddings {native}"
+        )
+    return asked
+
+
+def load_model(
+    model_config: ModelConfig,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Resolve, build and load the model named by `model_config` onto `device`; under `tp`,
+    this rank's shard of it. `progress`: show the shards' progress bar."""
     from transformers import AutoConfig
 
     start = time.perf_counter()
     model_dir = resolve_model_path(model_config.path)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
-    max_pos = getattr(hf_config, "max_position_embeddings", None)
-    if model_config.max_model_len is not None and max_pos and model_config.max_model_len > max_pos:
-        raise ConfigError(
-            "model.max_model_len",
-            f"{model_config.max_model_len} exceeds the model's max_position_embeddings {max_pos}",
-        )
+    resolve_max_model_len(model_config, hf_config)  # a bad setting fails before the load
     choice = resolve_dtype(model_config.dtype, hf_config, device)
     logger.info("%s", choice)
     dtype = choice.dtype
-    model = build_model(hf_config, dtype, device)
-    model.load_weights(iter_weights(model_dir, device))
+    model = build_model(hf_config, dtype, device, tp)
+    model.load_weights(iter_weights(model_dir, device, model.checkpoint_slice, progress))
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s (%s, %s) on %s in %.1f s",

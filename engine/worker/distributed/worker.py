@@ -1,0 +1,121 @@
+"""A tensor-parallel worker process (ranks 1..size-1): the target rank 0 spawns.
+
+    hello -> join the group -> load its shard -> loaded -> size the KV cache (the minimum
+    over the ranks) -> ready
+    then: receive a step, append what rank 0 sampled last step, run the step; until STOP
+
+The worker never samples and never decides anything: it computes its shard of the step
+rank 0 sends, in the same order of collectives, and so its state follows rank 0's.
+
+It never outlives rank 0: it ignores SIGINT and SIGTERM (a Ctrl-C or a SIGTERM sent to the
+whole process group must not cut a rank out from under rank 0's drain; rank 0 stops it),
+exits when rank 0's process ends (a thread waits on multiprocessing's parent sentinel), and
+exits on any error after reporting it over the pipe. Steps arrive through the shared-memory
+ring of `transport.py`; the pipe carries start-up messages and errors back to rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from engine.config import EngineConfig
+from engine.worker.distributed.group import join_group, leave_group
+from engine.worker.distributed.transport import STOP, RingHandle, StepReader, decode_step
+from engine.worker.kv_sizing import KVGeometry, size_kv_cache
+from engine.worker.models.loader import load_model, resolve_max_model_len
+from engine.worker.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    config: EngineConfig  # model.path already resolved to a local HF directory by rank 0
+    rank: int
+    device: str  # this rank's device, e.g. "cpu" or "cuda:1"
+    store_port: int  # rank 0's rendezvous TCPStore on the loopback
+    num_threads: int | None
+
+
+def worker_main(spec: WorkerSpec, ring: RingHandle, conn: Connection) -> None:
+    """Process entry point. Messages to rank 0: ("hello",), ("loaded",), ("ready",
+    num_blocks), or ("error", traceback text) before it exits."""
+    _quiet_progress_bars()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent()
+    try:
+        runner = _start(spec, conn)
+        _run_steps(runner, StepReader(ring, conn))
+    except BaseException:
+        text = traceback.format_exc()
+        logger.error("tensor-parallel rank %d failed:\n%s", spec.rank, text)
+        try:
+            conn.send(("error", text))
+        except OSError:
+            pass
+        os._exit(1)  # no clean-up that could wait on peers that are gone
+    leave_group()
+
+
+def _quiet_progress_bars() -> None:
+    """tqdm takes a thread lock here instead of its default multiprocessing one, which a
+    killed worker would leak (the resource tracker then warns at rank 0's exit). The bars
+    themselves are off (`load_model(progress=False)`): rank 0 shows the load's progress."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def _start(spec: WorkerSpec, conn: Connection) -> ModelRunner:
+    config = spec.config
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    torch.manual_seed(config.model.seed)
+    device = torch.device(spec.device)
+    size = config.parallel.tensor_parallel_size
+    conn.send(("hello",))
+    tp = join_group(spec.store_port, spec.rank, size, device, config.parallel.timeout_s)
+    loaded = load_model(config.model, device, tp, progress=False)
+    conn.send(("loaded",))
+    block_size = config.cache.block_size
+    runner = ModelRunner(loaded.model, device, loaded.dtype, block_size, config.runtime)
+    max_model_len = resolve_max_model_len(config.model, loaded.hf_config)
+    geom = KVGeometry.of(loaded.model, block_size, loaded.dtype)
+    num_blocks = size_kv_cache(runner, config, geom, max_model_len, tp)
+    runner.allocate_kv_cache(num_blocks)
+    conn.send(("ready", num_blocks))
+    return runner
+
+
+def _run_steps(runner: ModelRunner, steps: StepReader) -> None:
+    """Runs the steps rank 0 sends until told to stop."""
+    while True:
+        data = steps.recv()
+        if data == STOP:
+            steps.close()
+            return
+        msg = decode_step(data)
+        runner.append_sampled(msg.sampled_req_ids, msg.sampled_token_ids)
+        runner.execute(msg.so)

@@ -58,6 +58,7 @@ from appliance.http.serving import (
 )
 from engine.output.request_output import RequestOutput
 from engine.request_stream import RequestStream
+from engine.sampling_params import SamplingParams
 
 # chat_template_kwargs the server sets itself, or that would change what rendering returns.
 # `chat_template` is refused as well: a template sent by the client is code the server runs
@@ -165,8 +166,11 @@ def dialect_of(state: AppState, req: ChatCompletionRequest) -> ChatDialect:
         raise bad_request(str(e), e.param) from None
 
 
-async def create_chat_completion(request: Request) -> Response:
-    arrival, state, req, params, lora = await begin(request, ChatCompletionRequest)
+async def checked_prompt_ids(
+    state: AppState, req: ChatCompletionRequest, params: SamplingParams
+) -> tuple[ChatDialect, list[int]]:
+    """The request's dialect and its rendered prompt ids, after the dialect's checks (tools,
+    reasoning) constrained `params`: what generation and the render route both need."""
     dialect = dialect_of(state, req)
     try:
         constrain(params, dialect)
@@ -182,6 +186,12 @@ async def create_chat_completion(request: Request) -> Response:
         req.chat_template_kwargs,
         dialect.tools,
     )
+    return dialect, prompt_ids
+
+
+async def create_chat_completion(request: Request) -> Response:
+    arrival, state, req, params, lora = await begin(request, ChatCompletionRequest)
+    dialect, prompt_ids = await checked_prompt_ids(state, req, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await submit(
         state,

@@ -17,10 +17,8 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from appliance.dialect.chat_output import DialectError, constrain
-from appliance.http.chat import chat_size, dialect_of, render_chat
+from appliance.http.chat import checked_prompt_ids
 from appliance.http.completions import prompts_of
-from appliance.http.errors import bad_request
 from appliance.http.protocol import (
     ChatCompletionRequest,
     CompletionRenderResponse,
@@ -46,19 +44,5 @@ async def render_completion(request: Request) -> Response:
 
 async def render_chat_completion(request: Request) -> Response:
     _, state, req, params, _ = await begin(request, ChatCompletionRequest)
-    dialect = dialect_of(state, req)
-    try:
-        constrain(params, dialect)  # refuses what the generation route refuses
-    except DialectError as e:
-        raise bad_request(str(e), e.param) from None
-    ids = await state.aeng.offload_if_large(
-        chat_size(req.messages),
-        render_chat,
-        state,
-        req.messages,
-        req.add_generation_prompt,
-        req.continue_final_message,
-        req.chat_template_kwargs,
-        dialect.tools,
-    )
+    _, ids = await checked_prompt_ids(state, req, params)
     return JSONResponse(RenderedPrompt(model=state.model_name, token_ids=ids).model_dump())

@@ -29,19 +29,18 @@ copies run before the forward and can't copy K/V that is written in it), then co
 that last token, copying the shared partial block first.
 
 LoRA: with `max_loras` set, the running requests use at most that many distinct adapters
-(the runner's device slots); a waiting request for one more is skipped, keeping its place,
-until a running adapter's requests are gone.
+(see adapter_slots.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.core import admission
+from engine.core.adapter_slots import AdapterSlots, count_adapters, uses_adapter
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_queue
@@ -118,14 +117,11 @@ class Scheduler:
 
     def adapter_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Requests per LoRA adapter name: (running, waiting); the base model is left out."""
-        return _count_adapters(self.running), _count_adapters(self.waiting)
+        return count_adapters(self.running), count_adapters(self.waiting)
 
     def uses_adapter(self, lora_name: str) -> bool:
         """True while any unfinished request runs the adapter named `lora_name`."""
-        return any(
-            r.lora_request is not None and r.lora_request.lora_name == lora_name
-            for r in self.requests.values()
-        )
+        return uses_adapter(self.requests.values(), lora_name)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -258,16 +254,11 @@ class Scheduler:
         waiting, running = self.waiting, self.running
         max_seqs = self.config.max_num_seqs
         skipped: list[Request] = []
-        adapters = None if self.max_loras is None else {r.lora_key for r in running} - {None}
+        adapters = AdapterSlots(self.max_loras, running)
         while waiting and step.budget > 0 and len(running) < max_seqs:
             req = waiting.peek()
             leader = self._fork_leader(req)
-            if leader is False or (
-                adapters is not None
-                and req.lora_key is not None
-                and req.lora_key not in adapters
-                and len(adapters) >= self.max_loras
-            ):
+            if leader is False or not adapters.admits(req):
                 skipped.append(waiting.pop())
                 continue
             if leader is None:
@@ -278,8 +269,7 @@ class Scheduler:
                 break
             waiting.pop()
             running.append(req)
-            if adapters is not None and req.lora_key is not None:
-                adapters.add(req.lora_key)
+            adapters.add(req)
             req.status = _RUNNING
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = now
@@ -506,7 +496,3 @@ class Scheduler:
         """Aborts a request in any state; None if it is unknown or already finished."""
         done = self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
         return done[0] if done else None
-
-
-def _count_adapters(requests: Iterable[Request]) -> dict[str, int]:
-    return dict(Counter(r.lora_request.lora_name for r in requests if r.lora_request is not None))

@@ -28,15 +28,14 @@ than that makes the engine unhealthy and refuses new requests, and whoever super
 process (`appliance serve`) exits so that it is restarted.
 
 The stream each caller holds (`RequestStream`) and what finish listeners get
-(`FinishedRequest`) live in `engine.request_stream` (which does not import this module);
-both are importable from here too. What this module needs of the engine it drives is the
-`SteppedEngine` protocol (LLMEngine, or the tests' fake).
+(`FinishedRequest`) live in `engine.request_stream`; what crosses the thread boundary (inbox
+items, deliveries, pending adapter removals) in `engine.engine_inbox`. What this module
+needs of the engine it drives is the `SteppedEngine` protocol (LLMEngine, or a fake).
 
-LoRA adapters: `add_lora` reads an adapter's files on a worker thread (the engine's CPU
-cache is thread-safe), never on the event loop or the engine thread; so does `add_request`
-for an adapter not loaded yet. `remove_lora` goes through the inbox like an abort: the
-engine thread refuses new requests for the adapter at once, and the call returns when the
-last request using it has left (those requests finish untouched).
+LoRA adapters: `add_lora` (and `add_request` for an adapter not loaded yet) reads the files
+on a worker thread, never on the event loop or the engine thread. `remove_lora` goes
+through the inbox like an abort: new requests for the adapter are refused at once, and the
+call returns when the last request using it has left (they finish untouched).
 
 This module imports no HTTP code and no torch (the LLMEngine is passed in or built lazily).
 """
@@ -51,9 +50,18 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.engine_inbox import (
+    Abort,
+    Add,
+    Deliveries,
+    InFlight,
+    PendingRemovals,
+    RemoveLoRA,
+    ack,
+    deliver,
+)
 from engine.errors import (
     EngineDeadError,
     EngineError,
@@ -66,10 +74,9 @@ from engine.output.request_output import OutputAccumulator, RequestDelta
 from engine.request_stream import (  # FinishedRequest and RequestStream are re-exported
     FinishedRequest,
     RequestStream,
-    request_outcome,
 )
 from engine.sampling_params import SamplingParams
-from engine.stepped_engine import PreparedLike, SteppedEngine
+from engine.stepped_engine import SteppedEngine
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -81,35 +88,6 @@ logger = logging.getLogger(__name__)
 # Prompts (characters, or token ids) longer than this are tokenized off the event loop,
 # unless the caller sets its own threshold (`server.offload_prompt_chars`).
 DEFAULT_OFFLOAD_PROMPT_CHARS = 8192
-
-
-@dataclass
-class _Add:
-    prepared: PreparedLike
-    stream: RequestStream
-    ack: asyncio.Future
-
-
-@dataclass
-class _InFlight:
-    """Engine-thread record of one request: its stream and the sum of its deltas (what
-    finish listeners get, built once when it ends)."""
-
-    stream: RequestStream
-    total: OutputAccumulator
-
-
-@dataclass
-class _RemoveLoRA:
-    lora_name: str
-    done: asyncio.Future  # resolved once no request uses the adapter
-    loop: asyncio.AbstractEventLoop
-
-
-@dataclass
-class _Abort:
-    request_id: str | None  # None: every request in flight
-    exc: BaseException | None = None  # delivered to the stream, if it is still listening
 
 
 class AsyncEngine:
@@ -129,11 +107,11 @@ class AsyncEngine:
         self.offload_prompt_chars = offload_prompt_chars
         self._step_started: float | None = None  # monotonic start of the running step
         self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort | _RemoveLoRA] = []
+        self._inbox: list[Add | Abort | RemoveLoRA] = []
         self._pending = 0  # adds in the inbox, not yet handed to the engine
-        self._streams: dict[str, _InFlight] = {}  # engine thread writes; others read len
+        self._streams: dict[str, InFlight] = {}  # engine thread writes; others read len
         self._listeners: list[Callable[[FinishedRequest], None]] = []
-        self._removals: list[_RemoveLoRA] = []  # engine thread: adapters still in use
+        self._removals = PendingRemovals(engine)  # engine thread: adapters still in use
         self._stats = engine.stats()
         self._accepting = True
         self._stopping = False
@@ -264,7 +242,7 @@ class AsyncEngine:
         with self._cond:
             self._check_accepting()
             self._pending += 1
-            self._inbox.append(_Add(prepared, stream, ack))
+            self._inbox.append(Add(prepared, stream, ack))
             self._cond.notify()
         try:
             await ack
@@ -297,7 +275,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Thread-safe; the engine drops the request (and frees its blocks) before its next step."""
         with self._cond:
-            self._inbox.append(_Abort(request_id))
+            self._inbox.append(Abort(request_id))
             self._cond.notify()
 
     # ---- LoRA adapters --------------------------------------------------------------------
@@ -313,7 +291,7 @@ class AsyncEngine:
         LoRANotFoundError when no such adapter is loaded."""
         self._check_accepting()
         loop = asyncio.get_running_loop()
-        item = _RemoveLoRA(lora_name, loop.create_future(), loop)
+        item = RemoveLoRA(lora_name, loop.create_future(), loop)
         with self._cond:
             self._inbox.append(item)
             self._cond.notify()
@@ -331,7 +309,7 @@ class AsyncEngine:
             await asyncio.sleep(0.02)
         left = self.num_in_flight
         with self._cond:
-            self._inbox.append(_Abort(None, EngineDeadError("the server is shutting down")))
+            self._inbox.append(Abort(None, EngineDeadError("the server is shutting down")))
             self._stopping = True
             self._cond.notify()
         # A hung step never returns: do not wait for it (the thread is a daemon).
@@ -354,14 +332,14 @@ class AsyncEngine:
                         self._cond.wait()
                     inbox, self._inbox = self._inbox, []
                     stopping = self._stopping
-                out: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+                out: Deliveries = defaultdict(list)
                 self._handle_inbox(inbox, out)
                 if self._has_work() and not stopping:
                     self._step(out)
                 if self._removals:
-                    self._settle_removals(out)
+                    self._removals.settle(out, dead=self._dead is not None)
                 self._stats = self.engine.stats()
-                self._flush(out)
+                deliver(out, self.abort)
                 if stopping or self._dead is not None:
                     break
         except BaseException as e:  # a bug in the loop itself: never leave callers hanging
@@ -371,15 +349,15 @@ class AsyncEngine:
     def _has_work(self) -> bool:
         return self._dead is None and self.engine.has_unfinished_requests()
 
-    def _handle_inbox(self, inbox: list[_Add | _Abort | _RemoveLoRA], out: dict) -> None:
+    def _handle_inbox(self, inbox: list[Add | Abort | RemoveLoRA], out: Deliveries) -> None:
         for item in inbox:
-            if isinstance(item, _Abort):
+            if isinstance(item, Abort):
                 ids = list(self._streams) if item.request_id is None else [item.request_id]
                 for rid in ids:
                     self._abort_one(rid, item.exc, out)
                 continue
-            if isinstance(item, _RemoveLoRA):
-                self._begin_removal(item, out)
+            if isinstance(item, RemoveLoRA):
+                self._removals.begin(item, out)
                 continue
             with self._cond:
                 self._pending -= 1
@@ -389,7 +367,7 @@ class AsyncEngine:
                     raise EngineDeadError("the engine is not running")
                 self.engine.add_prepared(item.prepared)
                 stream = item.stream
-                self._streams[stream.request_id] = _InFlight(
+                self._streams[stream.request_id] = InFlight(
                     stream, OutputAccumulator(stream.request_id, stream.n)
                 )
             except (InvalidRequestError, EngineError) as e:
@@ -397,29 +375,9 @@ class AsyncEngine:
             except Exception as e:
                 logger.exception("add_prepared failed")
                 err = RequestFailedError(f"the engine could not add the request: {e}")
-            out[item.stream.loop].append(functools.partial(_ack, item.ack, err))
+            out[item.stream.loop].append(functools.partial(ack, item.ack, err))
 
-    def _begin_removal(self, item: _RemoveLoRA, out: dict) -> None:
-        """Engine thread: the adapter is refused from here on; done once unused."""
-        try:
-            self.engine.remove_lora(item.lora_name)
-        except Exception as e:  # LoRANotFoundError, or LoRA off
-            out[item.loop].append(functools.partial(_ack, item.done, e))
-            return
-        self._removals.append(item)
-
-    def _settle_removals(self, out: dict) -> None:
-        """Engine thread: completes the removals whose adapter no request uses any more."""
-        pending = []
-        for item in self._removals:
-            if self._dead is None and self.engine.lora_in_use(item.lora_name):
-                pending.append(item)
-                continue
-            err = None if self._dead is None else EngineDeadError("the engine is not running")
-            out[item.loop].append(functools.partial(_ack, item.done, err))
-        self._removals = pending
-
-    def _abort_one(self, rid: str, exc: BaseException | None, out: dict) -> None:
+    def _abort_one(self, rid: str, exc: BaseException | None, out: Deliveries) -> None:
         held = self._streams.pop(rid, None)
         if held is None:
             return
@@ -431,7 +389,7 @@ class AsyncEngine:
             out[held.stream.loop].append(functools.partial(held.stream.fail, exc))
         self._notify_finished(rid, "abort", held.total)
 
-    def _step(self, out: dict) -> None:
+    def _step(self, out: Deliveries) -> None:
         self._step_started = time.monotonic()
         try:
             deltas = self.engine.step()
@@ -445,7 +403,7 @@ class AsyncEngine:
         for delta in deltas:
             self._deliver(delta, out)
 
-    def _deliver(self, delta: RequestDelta, out: dict) -> None:
+    def _deliver(self, delta: RequestDelta, out: Deliveries) -> None:
         held = self._streams.get(delta.request_id)
         if held is None:
             return
@@ -460,7 +418,7 @@ class AsyncEngine:
             del self._streams[delta.request_id]
             self._notify_finished(delta.request_id, None, held.total)
 
-    def _on_step_failure(self, e: Exception, out: dict) -> None:
+    def _on_step_failure(self, e: Exception, out: Deliveries) -> None:
         self.num_failed_steps += 1
         self._consecutive_failures += 1
         message = f"engine step failed: {type(e).__name__}: {e}"
@@ -469,16 +427,11 @@ class AsyncEngine:
             self._fail_everything(message, out)
             self._die(message)
             return
-        logger.error(
-            "engine step failed",
-            exc_info=True,
-            extra={
-                "fields": {
-                    "consecutive_failures": self._consecutive_failures,
-                    "in_flight": len(self._streams),
-                }
-            },
-        )
+        fields = {
+            "consecutive_failures": self._consecutive_failures,
+            "in_flight": len(self._streams),
+        }
+        logger.error("engine step failed", exc_info=True, extra={"fields": fields})
         # Only the requests of the failed step are suspect (their K/V, sampler state); the
         # others wait in the queue untouched.
         try:
@@ -497,7 +450,7 @@ class AsyncEngine:
         if self._consecutive_failures >= self.max_consecutive_failures:
             self._die(f"{self._consecutive_failures} consecutive failing steps; last: {message}")
 
-    def _fail_everything(self, message: str, out: dict) -> None:
+    def _fail_everything(self, message: str, out: Deliveries) -> None:
         """Every request the engine holds fails with `message` (the engine cannot go on)."""
         try:
             failed = self.engine.fail_all(message)
@@ -515,61 +468,28 @@ class AsyncEngine:
         logger.critical("engine is dead", extra={"fields": {"reason": reason}})
         with self._cond:
             inbox, self._inbox = self._inbox, []
-        out: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        out: Deliveries = defaultdict(list)
         exc = EngineDeadError(f"the engine is not running: {reason}")
         for item in inbox:
-            if isinstance(item, _Add):
+            if isinstance(item, Add):
                 with self._cond:
                     self._pending -= 1
-                out[item.stream.loop].append(functools.partial(_ack, item.ack, exc))
-            elif isinstance(item, _RemoveLoRA):
-                out[item.loop].append(functools.partial(_ack, item.done, exc))
+                out[item.stream.loop].append(functools.partial(ack, item.ack, exc))
+            elif isinstance(item, RemoveLoRA):
+                out[item.loop].append(functools.partial(ack, item.done, exc))
         for rid in list(self._streams):
             self._abort_one(rid, exc, out)
-        self._settle_removals(out)
-        self._flush(out)
-
-    def _flush(self, out: dict) -> None:
-        for loop, calls in out.items():
-            try:
-                loop.call_soon_threadsafe(_run_all, calls)
-            except RuntimeError:  # that event loop is closed: nobody is listening
-                for call in calls:
-                    stream = getattr(call.func, "__self__", None)
-                    if isinstance(stream, RequestStream):
-                        self.abort(stream.request_id)
+        self._removals.settle(out, dead=True)
+        deliver(out, self.abort)
 
     def _notify_finished(self, rid: str, reason: str | None, total: OutputAccumulator) -> None:
         """`reason` None: the request's own outcome (else "abort"); the whole output is built
         here, once, and only when someone listens."""
         if not self._listeners:
             return
-        o = total.output()
-        info = FinishedRequest(
-            request_id=rid,
-            finish_reason=reason or request_outcome(o),
-            num_prompt_tokens=len(o.prompt_token_ids),
-            num_generation_tokens=total.num_output_tokens,
-            metrics=o.metrics,
-            output=o,
-        )
+        info = FinishedRequest.of(rid, reason, total)
         for fn in self._listeners:
             try:
                 fn(info)
             except Exception:
                 logger.exception("finish listener failed")
-
-
-def _ack(fut: asyncio.Future, err: BaseException | None) -> None:
-    if fut.done():
-        return
-    if err is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(err)
-
-
-def _run_all(calls: list[Callable[[], None]]) -> None:
-    """Runs one engine iteration's deliveries for one event loop, in order."""
-    for call in calls:
-        call()

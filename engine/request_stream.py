@@ -36,6 +36,20 @@ class FinishedRequest:
     metrics: RequestMetrics | None
     output: RequestOutput | None
 
+    @classmethod
+    def of(cls, request_id: str, reason: str | None, total: OutputAccumulator) -> FinishedRequest:
+        """From the sum of the request's deltas, built once; `reason` None: the request's own
+        outcome (stop, length, error)."""
+        o = total.output()
+        return cls(
+            request_id=request_id,
+            finish_reason=reason or request_outcome(o),
+            num_prompt_tokens=len(o.prompt_token_ids),
+            num_generation_tokens=total.num_output_tokens,
+            metrics=o.metrics,
+            output=o,
+        )
+
 
 @dataclass(frozen=True)
 class TokenCounts:

@@ -34,16 +34,18 @@ def _tokens(delta) -> list[int]:
     return [t for sample in delta.outputs for t in sample.token_ids]
 
 
+# The small LoRA engine every test here runs.
+_SETTINGS = dict(
+    enable_lora=True, num_kv_blocks=64, block_size=4, dtype="float32", max_model_len=128
+)
+
+
 def _llm(model_dir, **kw) -> LLM:
-    return LLM(
-        str(model_dir),
-        enable_lora=True,
-        num_kv_blocks=64,
-        block_size=4,
-        dtype="float32",
-        max_model_len=128,
-        **kw,
-    )
+    return LLM(str(model_dir), **_SETTINGS, **kw)
+
+
+def _async_engine(model_dir) -> AsyncEngine:
+    return AsyncEngine.from_config(build_engine_config(str(model_dir), **_SETTINGS))
 
 
 def test_add_is_idempotent_and_conflicts_are_refused(tiny_llama_dir, paths):
@@ -122,16 +124,7 @@ def test_cpu_cache_evicts_least_recently_used_adapters(tiny_llama_dir, paths):
 
 
 def test_async_remove_returns_once_the_running_request_finished(tiny_llama_dir, paths):
-    aeng = AsyncEngine.from_config(
-        build_engine_config(
-            str(tiny_llama_dir),
-            enable_lora=True,
-            num_kv_blocks=64,
-            block_size=4,
-            dtype="float32",
-            max_model_len=128,
-        )
-    )
+    aeng = _async_engine(tiny_llama_dir)
     gate = StepGate(aeng.engine, permits=1)  # the prefill, then held: it cannot finish
     a = LoRARequest("a", 1, paths["a"])
 
@@ -173,16 +166,7 @@ def test_async_adapter_files_are_read_off_the_event_loop_and_engine_threads(
         return load(*args, **kw)
 
     monkeypatch.setattr(registry, "load_peft_adapter", recording_load)
-    aeng = AsyncEngine.from_config(
-        build_engine_config(
-            str(tiny_llama_dir),
-            enable_lora=True,
-            num_kv_blocks=64,
-            block_size=4,
-            dtype="float32",
-            max_model_len=128,
-        )  # fmt: skip
-    )
+    aeng = _async_engine(tiny_llama_dir)
 
     async def main() -> None:
         await aeng.add_lora(LoRARequest("a", 1, paths["a"]))

@@ -19,6 +19,7 @@ false` keeps plain `F.linear` for bit-level comparisons.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
@@ -39,8 +40,27 @@ def small_rows(dtype: torch.dtype) -> int:
     return SMALL_ROWS if dtype == torch.float32 else 1
 
 
-def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can pack `dtype` weights here.
+
+    bf16 packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: on an AVX2-only CPU (e.g. a
+    Zen 3 EPYC) `_reorder_linear_weight` raises for bf16, so this probes it once per dtype."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    return _can_pack(dtype)
+
+
+@functools.cache
+def _can_pack(dtype: torch.dtype) -> bool:
+    try:
+        packed = pack_weight(torch.zeros(8, 8, dtype=dtype))
+        packed_linear(torch.zeros(1, 8, dtype=dtype), packed, None, 8)
+    except RuntimeError as exc:
+        logger.info("oneDNN cannot pack %s weights on this CPU (%s)", dtype, exc)
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -75,11 +95,12 @@ def pack_linears(model: nn.Module) -> int:
         logger.info("oneDNN unavailable; linears stay on F.linear")
         return 0
     count = 0
+    packable = {dtype: packing_available(dtype) for dtype in PACKED_DTYPES}
     for module in model.modules():
         w = getattr(module, "weight", None)
         if not isinstance(module, nn.Linear) or w is None:
             continue
-        if w.device.type != "cpu" or w.dtype not in PACKED_DTYPES or w.dim() != 2 or not w.numel():
+        if w.device.type != "cpu" or not packable.get(w.dtype) or w.dim() != 2 or not w.numel():
             continue
         with torch.no_grad():
             module.packed_weight = pack_weight(w)

@@ -29,10 +29,10 @@ from engine.worker.attention.base import AttentionLayerSpec, ForwardContext
 from engine.worker.kernels import fused
 from engine.worker.models import cpu_fused
 from engine.worker.models.cpu_linear import (
-    PACKED_DTYPES,
     pack_linears,
     pack_weight,
     packed_linear,
+    packing_available,
     small_rows,
 )
 from engine.worker.models.layers import FusedLinear, RMSNorm, silu_and_mul
@@ -244,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
         done."""
         count = pack_linears(self)
         emb = self.model.embed_tokens.weight
-        if self.lm_head is None and count and emb.dtype in PACKED_DTYPES:
+        if self.lm_head is None and count and packing_available(emb.dtype):
             self._packed_embedding = pack_weight(emb)
             count += 1
         self._cpu_fused = fused.usable(emb)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import llguidance as llg
@@ -51,10 +52,10 @@ def test_compile_runs_on_the_compile_thread_and_is_cached(compiler, monkeypatch)
         json={"type": "object", "properties": {"a": {"type": "integer"}}}
     )
     same = StructuredOutputsParams(
-        json='{"properties": {"a": {"type": "integer"}}, "type": "object"}'
+        json='{"type": "object", "properties": {"a": {"type": "integer"}}}'
     )
     g1 = compiler.compile(spec)
-    assert compiler.compile(same) is g1  # one canonical key for equal schemas
+    assert compiler.compile(same) is g1  # one key for the same schema, as a dict or as text
     assert len(threads) == 1 and threads[0].startswith("grammar-compile")
 
 
@@ -132,3 +133,34 @@ def test_a_refused_token_puts_the_state_in_error(compiler, hf_tok):
     st = GrammarState(g)
     st.advance(hf_tok.encode("x")[0])
     assert st.error() is not None
+
+
+def _object(*names: str) -> dict:
+    """A schema whose properties are `names`, all required, in that order."""
+    return {
+        "type": "object",
+        "properties": {n: {"type": "string"} for n in names},
+        "required": list(names),
+        "additionalProperties": False,
+    }
+
+
+def _forced_bytes(compiler: GrammarCompiler, spec: StructuredOutputsParams) -> bytes:
+    return compiler.compile(spec).new_matcher().compute_ff_bytes()
+
+
+def test_json_properties_are_forced_in_the_clients_order_at_every_level(compiler):
+    """A schema {reasoning, answer} must let the model reason first: its first forced bytes
+    are `{"reasoning":`, its reordered twin's `{"answer":`, and the cache keeps them apart."""
+    inner = {"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "string"}},
+             "required": ["z", "a"], "additionalProperties": False}  # fmt: skip
+    first = _object("reasoning", "answer")
+    first["properties"]["reasoning"] = inner
+    twin = _object("answer", "reasoning")
+    spec, twin_spec = StructuredOutputsParams(json=first), StructuredOutputsParams(json=twin)
+    assert _forced_bytes(compiler, spec) == b'{"reasoning":{"z":"'
+    assert _forced_bytes(compiler, twin_spec) == b'{"answer":"'
+    assert compiler.compile(spec) is not compiler.compile(twin_spec)
+    # The schema as JSON text in the same order is the same constraint (one cache entry).
+    text = StructuredOutputsParams(json=json.dumps(first))
+    assert compiler.compile(text) is compiler.compile(spec)

@@ -14,6 +14,11 @@ thread, waiting at most `timeout_s`:
 Results are cached by (kind, canonical spec) in an LRU of `cache_size` entries; concurrent
 requests for the same spec share one compile. Errors name `structured_outputs.<kind>`.
 
+A JSON schema is compiled, and keyed, in the client's key order: llguidance writes an
+object's properties in the order `properties` lists them, so sorting the keys would make a
+model commit to `answer` before its `reasoning`, and a sorted cache key would hand a
+`{answer, reasoning}` request the grammar compiled for `{reasoning, answer}`.
+
 JSON whitespace is not flexible: items and keys are separated by "," and ":" with no
 blanks or newlines (as OpenAI's strict mode and vLLM's `disable_any_whitespace`), so a
 sampled answer cannot run to max_tokens on whitespace.
@@ -157,8 +162,9 @@ class GrammarCompiler:
 
 
 def _canonical(spec: StructuredOutputsParams) -> str:
-    """One string per distinct constraint: JSON schemas with sorted keys, choices as a
-    JSON list. Raises `SamplingParamsError` for a schema that is not JSON."""
+    """One string per distinct constraint: JSON schemas as compact JSON in the client's key
+    order (the order is part of the constraint), choices as a JSON list. Raises
+    `SamplingParamsError` for a schema that is not JSON."""
     kind = spec.kind
     if kind == "json":
         schema = spec.json
@@ -172,7 +178,7 @@ def _canonical(spec: StructuredOutputsParams) -> str:
         if not isinstance(schema, dict | bool):
             raise SamplingParamsError("a JSON Schema must be an object", "structured_outputs.json")
         try:
-            return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         except (TypeError, ValueError) as e:
             raise SamplingParamsError(
                 f"not JSON-serializable: {e}", "structured_outputs.json"

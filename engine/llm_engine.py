@@ -31,7 +31,7 @@ from engine.core.step_io import SchedulerOutput
 from engine.errors import InvalidRequestError, LoRAError
 from engine.lora_request import LoRARequest
 from engine.output.processor import OutputProcessor
-from engine.output.request_output import RequestDelta
+from engine.output.request_output import RequestDelta, SampleError
 from engine.output.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.worker.distributed.group import threads_per_rank
@@ -42,7 +42,7 @@ from engine.worker.lora.registry import LoRARegistry
 from engine.worker.models.loader import load_model, resolve_max_model_len
 from engine.worker.models.parallel import TensorParallel
 from engine.worker.runner import ModelRunner
-from engine.worker.structured.compiler import GrammarCompiler
+from engine.worker.structured.compiler import CompiledGrammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -322,11 +322,11 @@ class LLMEngine:
         for sample, stop in stops:
             self.scheduler.stop_on_string(sample, stop)
             self.outputs.finalize_stop(sample.request_id)
+        for rid, reason in runner_out.failed.items():  # its grammar or masks cannot go on
+            gid = self._fail_sample(rid, reason)
+            if gid is not None and gid not in touched:
+                touched.append(gid)
         results = []
-        for rid, reason in runner_out.failed.items():  # its masks left no token to sample
-            gid = self.outputs.parent_of.get(rid)
-            if gid in self.outputs.groups:
-                results += self._fail_groups([gid], reason, request_error=True)
         for gid in touched:
             delta = self.outputs.delta_for(gid)
             if delta is None:
@@ -357,15 +357,22 @@ class LLMEngine:
         """Fails every in-flight request and frees its blocks; the engine carries on."""
         return self._fail_groups(list(self.outputs.groups), message)
 
-    def _fail_groups(
-        self, gids: list[str], message: str, request_error: bool = False
-    ) -> list[RequestDelta]:
+    def _fail_sample(self, sample_id: str, message: str) -> str | None:
+        """Ends one sample whose own constraints cannot be followed (the runner's report):
+        `finish_reason` "error" with a `SampleError` naming the field, its siblings (n > 1)
+        untouched. Returns its group's id, None if the engine no longer holds it."""
+        finished = self.scheduler.finish_requests(sample_id, RequestStatus.FINISHED_ERROR)
+        if not finished:
+            return None
+        return self.outputs.fail_sample(sample_id, SampleError(message, _failed_param(finished[0])))
+
+    def _fail_groups(self, gids: list[str], message: str) -> list[RequestDelta]:
         results = []
         for gid in gids:
             group = self.outputs.groups[gid]
             ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            group.error, group.error_is_request = message, request_error
+            group.error = message
             results.append(group.take_delta())
             self.outputs.remove_group(gid)
         self._settle_lora_removals()
@@ -428,6 +435,16 @@ class LLMEngine:
             lora_running=lora_running,
             lora_waiting=lora_waiting,
         )
+
+
+def _failed_param(req: Request) -> str | None:
+    """The request field a sample's own failure is about: its grammar when it has one (the
+    grammar is then among the masks that left no token), else the mask that did."""
+    grammar = req.grammar
+    if isinstance(grammar, CompiledGrammar):
+        return f"structured_outputs.{grammar.kind}"
+    p = req.sampling_params
+    return "allowed_token_ids" if p.allowed_token_ids is not None else "min_tokens"
 
 
 def _int64(x: int) -> int:

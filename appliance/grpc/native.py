@@ -36,7 +36,7 @@ from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
 from appliance.telemetry import Tracing, record_request_span
 from engine.lora_request import LoRARequest
 from engine.output.request_output import SampleDelta
-from engine.request_stream import RequestStream, TokenCounts
+from engine.request_stream import RequestStream, TokenCounts, sole_choice_error
 from engine.sampling_params import SamplingParams
 
 # Proto fields copied as they are when set (the `optional` scalars).
@@ -227,9 +227,14 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                 for i, d in enumerate(delta.outputs):
                     last = delta.finished and i == len(delta.outputs) - 1
                     resp = self._response(rid, d, stream.counts() if last else None)
+                    if d.error is not None:
+                        resp.error = errors.sample_error_text(d.error, field_of)
                     if reader is not None:
                         reader.fill(resp, d.text, d.finish_reason)
                     yield resp
+            failed = sole_choice_error([stream.output()])
+            if failed is not None:  # its only sample failed: the call's status says why
+                raise failed
         except RpcError as e:
             error = e.message
             await errors.abort(context, e)

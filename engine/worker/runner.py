@@ -281,18 +281,25 @@ class ModelRunner:
         bitmask = self._grammar_bitmask(states, logits.shape[1])
         rows = [self._sampling_row(st) for st in states]
         sampled = self.sampler(logits, rows, bitmask)
-        req_ids, token_ids, logprobs = inputs.sample_req_ids, sampled.token_ids, sampled.logprobs
-        if sampled.failed:  # rows whose masks left no token: reported, not sampled
-            out.failed = {req_ids[i]: why for i, why in sampled.failed.items()}
-            kept = [i for i in range(len(rows)) if i not in sampled.failed]
-            req_ids = [req_ids[i] for i in kept]
-            token_ids = [token_ids[i] for i in kept]
-            logprobs = [logprobs[i] for i in kept]
-        for rid, tok in zip(req_ids, token_ids, strict=True):
-            st = self.states[rid]
-            st.token_ids.append(tok)
+        # Rows that end here, not sampled: masks that left no token, and grammars in their
+        # error state (whose mask allows EOS alone: a "stop" that would break the grammar).
+        failed = {**sampled.failed, **_grammar_errors(states)}
+        req_ids, token_ids, logprobs = [], [], []
+        for i, (rid, tok) in enumerate(zip(inputs.sample_req_ids, sampled.token_ids, strict=True)):
+            if i in failed:
+                continue
+            st = states[i]
             if st.grammar is not None:
                 st.grammar.advance(tok)
+                if (why := _grammar_error(st)) is not None:  # a limit hit taking this token
+                    failed[i] = why
+                    continue
+            st.token_ids.append(tok)
+            req_ids.append(rid)
+            token_ids.append(tok)
+            logprobs.append(sampled.logprobs[i])
+        if failed:
+            out.failed = {inputs.sample_req_ids[i]: why for i, why in failed.items()}
         out.req_ids = req_ids
         out.sampled_token_ids = [[t] for t in token_ids]
         if any(lp is not None for lp in logprobs):
@@ -368,6 +375,19 @@ def _sample_hidden(hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
     if len(rows) == inputs.attn_metadata.num_tokens:  # rows are increasing: 0..T-1 exactly
         return hidden[: len(rows)]
     return hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+
+
+def _grammar_error(st: CachedRequestState) -> str | None:
+    """`structured_outputs.<kind>: ...` when the request's grammar is in its error state."""
+    why = st.grammar.error() if st.grammar is not None else None
+    if why is None:
+        return None
+    return f"structured_outputs.{st.grammar.grammar.kind}: the grammar engine stopped: {why}"
+
+
+def _grammar_errors(states: list[CachedRequestState]) -> dict[int, str]:
+    """The rows whose grammar is in its error state (only grammars that are active can be)."""
+    return {i: why for i, st in enumerate(states) if (why := _grammar_error(st)) is not None}
 
 
 def _grammar_state(

@@ -9,7 +9,17 @@ thread, waiting at most `timeout_s`:
 - the work itself is bounded by `LLParserLimits` (grammar size, lexer states, lexer fuel):
   a pathological schema stops inside llguidance with an error, which is what really ends
   it (a Python thread cannot be killed); the wall-clock timeout only stops the wait, so a
-  slow compile is refused (`SamplingParamsError`) while its thread runs out its fuel.
+  slow compile is refused (`SamplingParamsError`) while its thread runs out its fuel;
+- llguidance never raises for a grammar it cannot follow: its matcher enters an error
+  state whose mask allows EOS alone. So each new grammar is *probed* before it is cached:
+  on a copy, the first mask is computed (an empty language or a `$ref` cycle errors there)
+  and the forced prefix consumed (a limit hit on it, e.g. `a{400000}` or a sentence of
+  2**60 a's, errors there). What fails is refused naming the field; what only shows once
+  the model has chosen a branch ends that sample with an error (see `matcher`).
+
+Choices compile to one regex lexeme (an alternation of the escaped strings), not to a Lark
+alternative per choice: llguidance's Earley rows hold at most 2,000 items, so 2,000
+choices sharing a prefix used to hit that limit mid-answer.
 
 Results are cached by (kind, canonical spec) in an LRU of `cache_size` entries; concurrent
 requests for the same spec share one compile. Errors name `structured_outputs.<kind>`.
@@ -87,7 +97,8 @@ class GrammarCompiler:
         self.eos_token_id = own if own in eos else eos[0]
         self.cache_size = cache_size
         self.timeout_s = timeout_s
-        self.limits = limits or llg.LLParserLimits()
+        # Short errors: llguidance's verbose ones append the parser state (and the grammar).
+        self.limits = limits or llg.LLParserLimits(verbose_errors=False)
         self._ll_tokenizer: llg.LLTokenizer | None = None
         self._lock = threading.RLock()  # a done future runs _finish in compile's lock
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
@@ -148,6 +159,7 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise SamplingParamsError(_short(matcher.get_error()), param)
+        _probe(matcher, param)
         return CompiledGrammar(kind, matcher, self.ll_tokenizer, self.vocab_size, self.eos_token_id)
 
     def _finish(self, key: tuple[str, str], fut: Future[CompiledGrammar]) -> None:
@@ -201,16 +213,51 @@ def _to_llguidance(kind: str, canonical: str) -> str:
         return llg.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_OPTIONS)
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(canonical)
-    if kind == "choice":
-        # Lark string literals take JSON's escapes; one alternative per choice.
-        alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(canonical))
-        return llg.LLMatcher.grammar_from_lark(f"start: {alts}\n")
+    if kind == "choice":  # one lexeme: see the module docstring
+        alts = "|".join(_regex_literal(c) for c in json.loads(canonical))
+        return llg.LLMatcher.grammar_from_regex(f"({alts})")
     if kind == "grammar":
         return llg.LLMatcher.grammar_from_lark(canonical)
     raise ValueError(f"unknown kind {kind!r}")
 
 
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching exactly it: ASCII letters and digits and non-ASCII
+    characters as they are, every other character as a `\\x{..}` escape."""
+    return "".join(
+        c if (c.isascii() and c.isalnum()) or ord(c) > 127 else f"\\x{{{ord(c):x}}}"
+        for c in text
+    )
+
+
+def _probe(template: llg.LLMatcher, param: str) -> None:
+    """What llguidance can tell before a token is sampled (module docstring), on a copy so
+    the template stays at the start; raises SamplingParamsError naming `param`."""
+    m = template.deep_copy()
+    m.compute_bitmask()
+    if not m.is_error():
+        forced = m.compute_ff_tokens()
+        if forced and not m.is_error():
+            m.consume_tokens(forced)
+            if not m.is_error():
+                m.compute_bitmask()  # the mask right after the forced prefix
+    if m.is_error():
+        raise SamplingParamsError(_cannot_honor(m.get_error()), param)
+
+
+def _cannot_honor(error: str) -> str:
+    why = first_line(error)
+    if why == "NoExtensionBias":  # the first mask allows nothing, not even EOS
+        why = "it allows no text at all (an empty language, e.g. a $ref cycle)"
+    return _short(f"the grammar engine cannot follow this constraint: {why}")
+
+
+def first_line(message: str) -> str:
+    """llguidance's error without the state dump it may append."""
+    return message.strip().split("\n", 1)[0].strip()
+
+
 def _short(message: str, limit: int = 500) -> str:
     """llguidance's error, trimmed so a huge schema does not come back whole in a 400."""
-    message = message.strip()
+    message = first_line(message)
     return message if len(message) <= limit else message[: limit - 3] + "..."

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import llguidance as llg
 
-from engine.worker.structured.compiler import CompiledGrammar
+from engine.worker.structured.compiler import CompiledGrammar, first_line
 
 
 class GrammarState:
@@ -44,8 +44,11 @@ class GrammarState:
 
     def advance(self, token_id: int) -> None:
         """Takes one sampled token. A token the grammar refuses (only possible if another
-        path put it there) leaves the matcher in its error state: its next mask is empty,
-        so the request ends with an error, never with output outside the grammar."""
+        path put it there) or a limit llguidance hits while taking it (an Earley row or a
+        lexer past its bounds) leaves the matcher in its error state, for good: `error()`
+        says so. In that state llguidance's mask allows EOS alone, which would end the
+        sample as a clean "stop", so the runner consults `error()` after every token and
+        before every mask it uses, and ends the sample with that error instead."""
         if self.matcher is not None:
             self.matcher.consume_token(token_id)
             return
@@ -57,7 +60,8 @@ class GrammarState:
             self._tail = self._tail[-(len(self._marker) - 1) :] if len(self._marker) > 1 else b""
 
     def error(self) -> str | None:
-        """The matcher's error (a refused token, a lexer limit hit), or None."""
+        """The matcher's error (a refused token, a parser or lexer limit hit), its first
+        line (llguidance may append a state dump), or None."""
         if self.matcher is not None and self.matcher.is_error():
-            return self.matcher.get_error() or "grammar error"
+            return first_line(self.matcher.get_error()) or "grammar error"
         return None

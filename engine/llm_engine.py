@@ -156,9 +156,11 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # Structured outputs: grammars compiled in prepare_request (off the engine thread).
+        so = config.structured_outputs
         self.grammars = GrammarCompiler(
-            self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids
-        )
+            self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids,
+            cache_bytes=so.cache_mib << 20, max_grammar_bytes=so.max_grammar_mib << 20,
+        )  # fmt: skip
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         # The SchedulerOutput of the step being run, until it returns: after an exception,

@@ -21,8 +21,12 @@ Choices compile to one regex lexeme (an alternation of the escaped strings), not
 alternative per choice: llguidance's Earley rows hold at most 2,000 items, so 2,000
 choices sharing a prefix used to hit that limit mid-answer.
 
-Results are cached by (kind, canonical spec) in an LRU of `cache_size` entries; concurrent
-requests for the same spec share one compile. Errors name `structured_outputs.<kind>`.
+Results are cached by (kind, canonical spec) in an LRU bounded by bytes (`cache_bytes`,
+`structured_outputs.cache_mib`) and by `cache_size` entries; concurrent requests for the
+same spec share one compile. A grammar's bytes are measured on the C heap across its build
+and probe (`heap`: llguidance's lexer states, which the cached template keeps alive, are
+most of it), and one above `max_grammar_bytes` (`structured_outputs.max_grammar_mib`) is
+refused. Errors name `structured_outputs.<kind>`.
 
 A JSON schema is compiled, and keyed, in the client's key order: llguidance writes an
 object's properties in the order `properties` lists them, so sorting the keys would make a
@@ -48,9 +52,15 @@ from typing import Any
 import llguidance as llg
 
 from engine.sampling_params import SamplingParamsError, StructuredOutputsParams
+from engine.worker.structured.heap import HeapMeter, floor_bytes
 
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_TIMEOUT_S = 10.0
+MIB = 1 << 20
+DEFAULT_CACHE_BYTES = 256 * MIB  # structured_outputs.cache_mib
+DEFAULT_MAX_GRAMMAR_BYTES = 64 * MIB  # structured_outputs.max_grammar_mib
+# Evictions freeing at least this much give the heap's free pages back to the system.
+_TRIM_BYTES = MIB
 # Compact JSON: no whitespace between tokens (see the module docstring).
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 _ANY_OBJECT = {"type": "object"}
@@ -67,6 +77,7 @@ class CompiledGrammar:
     tokenizer: llg.LLTokenizer
     vocab_size: int
     eos_token_id: int
+    nbytes: int = 0  # its memory, as accounted by the cache (module docstring)
 
     def new_matcher(self) -> llg.LLMatcher:
         return self.template.deep_copy()
@@ -84,6 +95,8 @@ class GrammarCompiler:
         cache_size: int = DEFAULT_CACHE_SIZE,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         limits: llg.LLParserLimits | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
     ):
         """`vocab_size`: the model's logits width (may exceed the tokenizer's: the padded
         ids have no bytes, so no grammar ever allows them). `eos_token_ids`: the model's
@@ -96,7 +109,11 @@ class GrammarCompiler:
         own = getattr(hf_tokenizer, "eos_token_id", None)
         self.eos_token_id = own if own in eos else eos[0]
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self.max_grammar_bytes = max_grammar_bytes
         self.timeout_s = timeout_s
+        self._heap = HeapMeter()
+        self._cached_bytes = 0
         # Short errors: llguidance's verbose ones append the parser state (and the grammar).
         self.limits = limits or llg.LLParserLimits(verbose_errors=False)
         self._ll_tokenizer: llg.LLTokenizer | None = None
@@ -145,6 +162,14 @@ class GrammarCompiler:
         with self._lock:
             return (spec.kind, _canonical(spec)) in self._cache
 
+    def cached_bytes(self, spec: StructuredOutputsParams | None = None) -> int:
+        """The accounted bytes of the cache (or of `spec`'s grammar in it, 0 if absent)."""
+        with self._lock:
+            if spec is None:
+                return self._cached_bytes
+            hit = self._cache.get((spec.kind, _canonical(spec)))
+            return hit.nbytes if hit is not None else 0
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -155,22 +180,48 @@ class GrammarCompiler:
             grammar = _to_llguidance(kind, canonical)
         except ValueError as e:
             raise SamplingParamsError(f"invalid: {e}", param) from None
+        tokenizer = self.ll_tokenizer  # built once, before the heap is read
+        before = self._heap.in_use()
         # Drops the GIL while it builds; never raises for grammar errors (error state).
-        matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self.limits)
+        matcher = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise SamplingParamsError(_short(matcher.get_error()), param)
         _probe(matcher, param)
-        return CompiledGrammar(kind, matcher, self.ll_tokenizer, self.vocab_size, self.eos_token_id)
+        after = self._heap.in_use()
+        measured = after - before if before is not None and after is not None else 0
+        nbytes = max(measured, floor_bytes(grammar))
+        if nbytes > self.max_grammar_bytes:
+            del matcher
+            self._heap.trim()
+            raise SamplingParamsError(
+                f"the compiled grammar needs {nbytes / MIB:.1f} MiB of memory, more than "
+                f"structured_outputs.max_grammar_mib ({self.max_grammar_bytes / MIB:g} MiB)",
+                param,
+            )
+        return CompiledGrammar(
+            kind, matcher, tokenizer, self.vocab_size, self.eos_token_id, nbytes
+        )
 
     def _finish(self, key: tuple[str, str], fut: Future[CompiledGrammar]) -> None:
+        dropped = 0
         with self._lock:
             self._in_flight.pop(key, None)
             if fut.cancelled() or fut.exception() is not None:
                 return
-            self._cache[key] = fut.result()
+            grammar = fut.result()
+            self._cache[key] = grammar
             self._cache.move_to_end(key)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._cached_bytes += grammar.nbytes
+            old: CompiledGrammar | None = None
+            while len(self._cache) > 1 and (
+                len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes
+            ):
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.nbytes
+                dropped += old.nbytes
+            del grammar, old  # this frame's references: a dropped grammar can be freed
+        if dropped >= _TRIM_BYTES:  # requests still holding a dropped one keep it alive
+            self._heap.trim()
 
 
 def _canonical(spec: StructuredOutputsParams) -> str:

@@ -213,6 +213,8 @@ class LLMEngine:
         params.validate_masks(self.tokenizer.eos_token_ids)
         so = params.structured_outputs
         grammar = self.grammars.compile(so) if so is not None else None
+        if grammar is not None and so.opened_by is not None:  # the tokens that open it
+            grammar = replace(grammar, open_token_ids=self.grammars.marker_token_ids(so.opened_by))
         kv = self.kv_manager
         max_tokens = admission.fit_lengths(
             len(ids), params.max_tokens, self.max_model_len, kv.block_size, kv.num_blocks

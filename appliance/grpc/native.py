@@ -19,7 +19,7 @@ import grpc
 from appliance import structured
 from appliance.adapters import AdapterRegistry
 from appliance.config.schema import LoRASection
-from appliance.dialect.chat_output import ChatDialect, DialectError, constrain
+from appliance.dialect.chat_output import ChatDialect, DialectError, constrain, for_prompt
 from appliance.grpc import errors
 from appliance.grpc.auth import cache_salt_of
 from appliance.grpc.errors import RpcError, invalid
@@ -203,6 +203,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             prompt, operation, prompt_field = await self._prompt(request, dialect)
             params = sampling_from_proto(request.sampling)
             if dialect is not None:
+                dialect = for_prompt(dialect, self._tokenizer, prompt)  # type: ignore[arg-type]
                 try:
                     constrain(params, dialect)
                 except DialectError as e:

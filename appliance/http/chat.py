@@ -25,6 +25,7 @@ from appliance.dialect.chat_output import (
     chat_dialect,
     constrain,
     finish_reason,
+    for_prompt,
     parse_choice,
 )
 from appliance.dialect.tools_prompt import template_inputs, template_text
@@ -172,10 +173,6 @@ async def checked_prompt_ids(
     """The request's dialect and its rendered prompt ids, after the dialect's checks (tools,
     reasoning) constrained `params`: what generation and the render route both need."""
     dialect = dialect_of(state, req)
-    try:
-        constrain(params, dialect)
-    except DialectError as e:
-        raise bad_request(str(e), e.param) from None
     prompt_ids = await state.aeng.offload_if_large(
         chat_size(req.messages),
         render_chat,
@@ -186,6 +183,11 @@ async def checked_prompt_ids(
         req.chat_template_kwargs,
         dialect.tools,
     )
+    dialect = for_prompt(dialect, state.aeng.tokenizer, prompt_ids)
+    try:
+        constrain(params, dialect)
+    except DialectError as e:
+        raise bad_request(str(e), e.param) from None
     return dialect, prompt_ids
 
 

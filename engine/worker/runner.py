@@ -339,7 +339,7 @@ class ModelRunner:
 
             self._grammar_executor = llguidance.LLExecutor()
         grammar = active[0][1].grammar
-        return fill_bitmask(
+        mask = fill_bitmask(
             self._grammar_executor,
             [(i, g.matcher) for i, g in active],
             len(states),
@@ -347,6 +347,9 @@ class ModelRunner:
             grammar.eos_token_id,
             self.eos_token_ids,
         )
+        for i, g in active:  # an optional reasoning section may still open
+            g.widen(mask[i])
+        return mask
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, out: RunnerOutput):
         """Logprobs of each scored prompt token, PROMPT_LOGPROBS_CHUNK rows of logits at a
@@ -403,4 +406,5 @@ def _grammar_state(
         grammar,
         so.start_after if so is not None else None,
         output_token_ids,
+        optional=so is not None and so.opened_by is not None,
     )

@@ -78,6 +78,9 @@ class CompiledGrammar:
     vocab_size: int
     eos_token_id: int
     nbytes: int = 0  # its memory, as accounted by the cache (module docstring)
+    # The token ids that open an optional section before the constraint (`opened_by`); set
+    # per request (`GrammarCompiler.marker_token_ids`), never in the cache.
+    open_token_ids: frozenset[int] = frozenset()
 
     def new_matcher(self) -> llg.LLMatcher:
         return self.template.deep_copy()
@@ -114,6 +117,7 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self._heap = HeapMeter()
         self._cached_bytes = 0
+        self._markers: dict[str, frozenset[int]] = {}
         # Short errors: llguidance's verbose ones append the parser state (and the grammar).
         self.limits = limits or llg.LLParserLimits(verbose_errors=False)
         self._ll_tokenizer: llg.LLTokenizer | None = None
@@ -169,6 +173,26 @@ class GrammarCompiler:
                 return self._cached_bytes
             hit = self._cache.get((spec.kind, _canonical(spec)))
             return hit.nbytes if hit is not None else 0
+
+    def marker_token_ids(self, marker: str) -> frozenset[int]:
+        """The ids of the tokens that are exactly `marker` (an added token such as Qwen3's
+        `<think>`); empty when the tokenizer has none, so the marker takes several tokens."""
+        with self._lock:
+            hit = self._markers.get(marker)
+            if hit is None:
+                hf = self._hf
+                ids = {hf.convert_tokens_to_ids(marker)}
+                encoded = hf.encode(marker, add_special_tokens=False)
+                if len(encoded) == 1:
+                    ids.add(encoded[0])
+                hit = frozenset(
+                    t for t in ids
+                    if isinstance(t, int) and 0 <= t < self.vocab_size
+                    and t != getattr(hf, "unk_token_id", None)
+                    and hf.decode([t], skip_special_tokens=False) == marker
+                )  # fmt: skip
+                self._markers[marker] = hit
+            return hit
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -67,7 +67,6 @@ from engine.errors import (
     EngineError,
     InvalidRequestError,
     RequestFailedError,
-    UnsatisfiableRequestError,
 )
 from engine.lora_request import LoRARequest
 from engine.output.request_output import OutputAccumulator, RequestDelta
@@ -409,9 +408,8 @@ class AsyncEngine:
             return
         held.total.add(delta)
         stream = held.stream
-        if delta.error:
-            err_type = UnsatisfiableRequestError if delta.error_is_request else RequestFailedError
-            out[stream.loop].append(functools.partial(stream.fail, err_type(delta.error)))
+        if delta.error:  # the request as a whole failed (one sample's own failure is a delta)
+            out[stream.loop].append(functools.partial(stream.fail, RequestFailedError(delta.error)))
         else:
             out[stream.loop].append(functools.partial(stream.put, delta))
         if delta.finished or delta.error:

@@ -195,6 +195,25 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Grammar compilation for structured outputs (llguidance), bounded by memory."""
+
+    # MiB the compiled-grammar cache may hold (llguidance's structures, measured on the C
+    # heap as each grammar is built); least recently used grammars are dropped beyond it.
+    cache_mib: int = 256
+    # Largest one compiled grammar, in MiB; a larger one is refused (400 naming the field).
+    max_grammar_mib: int = 64
+
+    def __post_init__(self) -> None:
+        _require(self.cache_mib >= 1, "structured_outputs.cache_mib", "must be >= 1")
+        _require(
+            1 <= self.max_grammar_mib <= self.cache_mib,
+            "structured_outputs.max_grammar_mib",
+            "must be >= 1 and <= structured_outputs.cache_mib",
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -202,3 +221,4 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

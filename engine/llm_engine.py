@@ -31,7 +31,7 @@ from engine.core.step_io import SchedulerOutput
 from engine.errors import InvalidRequestError, LoRAError
 from engine.lora_request import LoRARequest
 from engine.output.processor import OutputProcessor
-from engine.output.request_output import RequestDelta
+from engine.output.request_output import RequestDelta, SampleError
 from engine.output.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
 from engine.worker.distributed.group import threads_per_rank
@@ -42,7 +42,7 @@ from engine.worker.lora.registry import LoRARegistry
 from engine.worker.models.loader import load_model, resolve_max_model_len
 from engine.worker.models.parallel import TensorParallel
 from engine.worker.runner import ModelRunner
-from engine.worker.structured.compiler import GrammarCompiler
+from engine.worker.structured.compiler import CompiledGrammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +156,11 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # Structured outputs: grammars compiled in prepare_request (off the engine thread).
+        so = config.structured_outputs
         self.grammars = GrammarCompiler(
-            self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids
-        )
+            self.tokenizer.hf, self.vocab_size, self.tokenizer.eos_token_ids,
+            cache_bytes=so.cache_mib << 20, max_grammar_bytes=so.max_grammar_mib << 20,
+        )  # fmt: skip
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         # The SchedulerOutput of the step being run, until it returns: after an exception,
@@ -211,6 +213,8 @@ class LLMEngine:
         params.validate_masks(self.tokenizer.eos_token_ids)
         so = params.structured_outputs
         grammar = self.grammars.compile(so) if so is not None else None
+        if grammar is not None and so.opened_by is not None:  # the tokens that open it
+            grammar = replace(grammar, open_token_ids=self.grammars.marker_token_ids(so.opened_by))
         kv = self.kv_manager
         max_tokens = admission.fit_lengths(
             len(ids), params.max_tokens, self.max_model_len, kv.block_size, kv.num_blocks
@@ -322,11 +326,11 @@ class LLMEngine:
         for sample, stop in stops:
             self.scheduler.stop_on_string(sample, stop)
             self.outputs.finalize_stop(sample.request_id)
+        for rid, reason in runner_out.failed.items():  # its grammar or masks cannot go on
+            gid = self._fail_sample(rid, reason)
+            if gid is not None and gid not in touched:
+                touched.append(gid)
         results = []
-        for rid, reason in runner_out.failed.items():  # its masks left no token to sample
-            gid = self.outputs.parent_of.get(rid)
-            if gid in self.outputs.groups:
-                results += self._fail_groups([gid], reason, request_error=True)
         for gid in touched:
             delta = self.outputs.delta_for(gid)
             if delta is None:
@@ -357,15 +361,22 @@ class LLMEngine:
         """Fails every in-flight request and frees its blocks; the engine carries on."""
         return self._fail_groups(list(self.outputs.groups), message)
 
-    def _fail_groups(
-        self, gids: list[str], message: str, request_error: bool = False
-    ) -> list[RequestDelta]:
+    def _fail_sample(self, sample_id: str, message: str) -> str | None:
+        """Ends one sample whose own constraints cannot be followed (the runner's report):
+        `finish_reason` "error" with a `SampleError` naming the field, its siblings (n > 1)
+        untouched. Returns its group's id, None if the engine no longer holds it."""
+        finished = self.scheduler.finish_requests(sample_id, RequestStatus.FINISHED_ERROR)
+        if not finished:
+            return None
+        return self.outputs.fail_sample(sample_id, SampleError(message, _failed_param(finished[0])))
+
+    def _fail_groups(self, gids: list[str], message: str) -> list[RequestDelta]:
         results = []
         for gid in gids:
             group = self.outputs.groups[gid]
             ids = [s.request.request_id for s in group.samples if not s.request.is_finished]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            group.error, group.error_is_request = message, request_error
+            group.error = message
             results.append(group.take_delta())
             self.outputs.remove_group(gid)
         self._settle_lora_removals()
@@ -428,6 +439,16 @@ class LLMEngine:
             lora_running=lora_running,
             lora_waiting=lora_waiting,
         )
+
+
+def _failed_param(req: Request) -> str | None:
+    """The request field a sample's own failure is about: its grammar when it has one (the
+    grammar is then among the masks that left no token), else the mask that did."""
+    grammar = req.grammar
+    if isinstance(grammar, CompiledGrammar):
+        return f"structured_outputs.{grammar.kind}"
+    p = req.sampling_params
+    return "allowed_token_ids" if p.allowed_token_ids is not None else "min_tokens"
 
 
 def _int64(x: int) -> int:

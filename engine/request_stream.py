@@ -10,9 +10,10 @@ thread fills a stream only through `loop.call_soon_threadsafe(stream.put, ...)` 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.errors import UnsatisfiableRequestError
 from engine.output.request_output import (
     OutputAccumulator,
     RequestDelta,
@@ -66,6 +67,20 @@ def request_outcome(out: RequestOutput) -> str:
         return "error"
     reasons = {o.finish_reason or "abort" for o in out.outputs}
     return next((r for r in _OUTCOME_ORDER if r in reasons), "stop")
+
+
+def sole_choice_error(outs: Sequence[RequestOutput]) -> UnsatisfiableRequestError | None:
+    """The one rule for a sample that ended by its own constraints (`SampleError`), for a
+    whole answer (a non-streamed reply, a unary rpc): when the answer has exactly one choice
+    and that choice failed, the answer is its error (HTTP 400 / INVALID_ARGUMENT naming the
+    field); with several choices each failed one carries its own error and the answer
+    succeeds, as OpenAI returns `n` choices independently. Streams mark the failed choice
+    and go on (docs/serving.md, "Errors")."""
+    choices = [c for o in outs for c in o.outputs]
+    if len(choices) != 1 or choices[0].error is None:
+        return None
+    err = choices[0].error
+    return UnsatisfiableRequestError(err.message, err.param)
 
 
 class RequestStream:

@@ -62,7 +62,9 @@ class StructuredOutputsParams:
     engine compiles it at admission, off the engine thread; the sampler then masks every
     token the constraint forbids. `start_after`: text after which the constraint starts
     (a reasoning model's end-of-thinking marker such as "</think>"); None: from the first
-    generated token.
+    generated token. `opened_by` (with `start_after`): the section `start_after` closes is
+    optional and open only when the output's first token is this marker (Qwen3's
+    "<think>"); any other first token starts the constraint at once.
     """
 
     json: dict | str | None = None
@@ -71,6 +73,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     start_after: str | None = None
+    opened_by: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, tuple):

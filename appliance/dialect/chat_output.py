@@ -9,9 +9,17 @@ scanner over what is left (the answer proper).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from appliance.dialect.reasoning import THINK_END, ReasoningStream
+from appliance.dialect.reasoning import (
+    THINK_END,
+    THINK_START,
+    AnswerStart,
+    ReasoningStream,
+    answer_start,
+)
 from appliance.dialect.tool_grammar import tool_call_constraint
 from appliance.dialect.tool_parsers import ToolCall, ToolCallStream, ToolDelta, parse_tool_calls
 from appliance.dialect.tools_prompt import parser_for_template
@@ -36,17 +44,54 @@ class ChatDialect:
     forced: list[dict] | None = None  # the tools a call must be one of
     parallel: bool = True
     reasoning_parser: str | None = None
+    # Where the answer starts, read from the rendered prompt (`for_prompt`); None: the
+    # reasoning parser's own rule.
+    answer_start: AnswerStart | None = None
 
     @property
     def tool_names(self) -> set[str]:
         return {t["function"]["name"] for t in self.tools or []}
 
+    def reasoning_stream(self) -> ReasoningStream | None:
+        """The splitter of one choice's text, None without a reasoning parser."""
+        if self.reasoning_parser is None:
+            return None
+        return ReasoningStream(self.reasoning_parser, self.answer_start)
+
+    def start(self) -> dict:
+        """Where an output constraint starts (`StructuredOutputsParams` fields): after the
+        reasoning section when the answer starts in it, at once when it has none, and, when
+        the first token decides (qwen3), after it only if that token opens one."""
+        if self.reasoning_parser is None:
+            return {}
+        where = self.reasoning_stream().start  # type: ignore[union-attr]
+        if where == "content":
+            return {}
+        if where == "reasoning":
+            return {"start_after": THINK_END}
+        return {"start_after": THINK_END, "opened_by": THINK_START}
+
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar that enforces a forced call (after the reasoning section, if any)."""
         if not self.forced or self.tool_parser is None:
             return None
-        start_after = THINK_END if self.reasoning_parser else None
-        return tool_call_constraint(self.forced, self.tool_parser, self.parallel, start_after)
+        return dataclasses.replace(
+            tool_call_constraint(self.forced, self.tool_parser, self.parallel, None),
+            **self.start(),
+        )
+
+
+# How much of the rendered prompt's end is read for where the answer starts.
+_TAIL_TOKENS = 16
+
+
+def for_prompt(dialect: ChatDialect, tokenizer: Any, prompt_ids: Sequence[int]) -> ChatDialect:
+    """The dialect of a request whose rendered prompt is `prompt_ids`: where its answer
+    starts (`answer_start` of the prompt's last tokens, as text with special tokens)."""
+    if dialect.reasoning_parser is None:
+        return dialect
+    tail = tokenizer.decode(list(prompt_ids[-_TAIL_TOKENS:]), skip_special_tokens=False)
+    return dataclasses.replace(dialect, answer_start=answer_start(dialect.reasoning_parser, tail))
 
 
 def chat_dialect(
@@ -109,7 +154,7 @@ def constrain(params: SamplingParams, dialect: ChatDialect) -> None:
     elif params.structured_outputs is not None and dialect.reasoning_parser is not None:
         if params.structured_outputs.start_after is None:
             params.structured_outputs = dataclasses.replace(
-                params.structured_outputs, start_after=THINK_END
+                params.structured_outputs, **dialect.start()
             )
     if dialect.tool_parser in ("mistral", "llama3"):
         params.skip_special_tokens = False
@@ -146,9 +191,7 @@ class ChoiceStream:
 
     def __init__(self, dialect: ChatDialect):
         self.dialect = dialect
-        self.reasoning = (
-            ReasoningStream(dialect.reasoning_parser) if dialect.reasoning_parser else None
-        )
+        self.reasoning = dialect.reasoning_stream()
         self.tools = ToolCallStream(dialect.tool_parser) if dialect.tool_parser else None
         self._answer_text = ""  # the answer (after any reasoning) so far
         self._sent_content = ""
@@ -236,8 +279,8 @@ class ChoiceStream:
 def parse_choice(dialect: ChatDialect, text: str) -> ChoiceResult:
     """A whole choice: reasoning split off, then the calls (a malformed one: all content)."""
     reasoning = None
-    if dialect.reasoning_parser is not None:
-        s = ReasoningStream(dialect.reasoning_parser)
+    s = dialect.reasoning_stream()
+    if s is not None:
         a, b = s.feed(text), s.finish()
         reasoning = (a.reasoning + b.reasoning) or None
         text = a.content + b.content

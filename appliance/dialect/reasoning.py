@@ -6,6 +6,11 @@ Two styles, as vLLM's `--reasoning-parser`:
 - `deepseek_r1`: the template opens `<think>` in the prompt, so the answer is reasoning from
   its first token until `</think>` (a leading `<think>` is dropped); an answer that never
   closes it is all reasoning.
+
+Where the answer starts is read from the rendered prompt's end (`answer_start`), so the
+parser and the output constraint agree: a prompt ending in an open `<think>` makes the
+answer reasoning from its first token, whichever parser; one ending in a closed section
+(thinking disabled by the template) makes it all content; otherwise each parser's rule.
 """
 
 from __future__ import annotations
@@ -18,6 +23,22 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_START, THINK_END = "<think>", "</think>"
 
 
+# Where an answer starts (`answer_start`): in its reasoning, in its content, or either,
+# as its first token decides (qwen3: reasoning only when the answer opens with <think>).
+AnswerStart = str  # "reasoning" | "content" | "either"
+
+
+def answer_start(parser: str, prompt_tail: str) -> AnswerStart:
+    """Where the model's first token stands, from the end of the rendered prompt (its last
+    few tokens as text, special tokens kept)."""
+    tail = prompt_tail.rstrip()
+    if tail.endswith(THINK_START):
+        return "reasoning"  # the template opened the section (deepseek_r1's do)
+    if tail.endswith(THINK_END):
+        return "content"  # the template closed an empty one: thinking is off
+    return "reasoning" if parser == "deepseek_r1" else "either"
+
+
 @dataclass
 class Split:
     reasoning: str = ""
@@ -27,12 +48,17 @@ class Split:
 class ReasoningStream:
     """Splits one choice's text as it grows; `feed` returns what can be sent now."""
 
-    def __init__(self, parser: str):
+    def __init__(self, parser: str, start: AnswerStart | None = None):
+        """`start`: where the answer starts (`answer_start`); None: the parser's own rule."""
         if parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {parser!r}")
         self.parser = parser
+        if start is None:
+            start = "reasoning" if parser == "deepseek_r1" else "either"
+        self.start = start
         self.buf = ""  # text not yet sent (a marker may be forming at its end)
-        self.state = "start"  # start -> reasoning -> content
+        # start -> reasoning -> content; an answer known to be content starts there.
+        self.state = "content" if start == "content" else "start"
         self.after_end = False  # just past </think>: its trailing newlines are dropped
 
     def feed(self, piece: str) -> Split:
@@ -46,7 +72,7 @@ class ReasoningStream:
                 self.buf = lead[len(THINK_START) :]
                 self.state = "reasoning"
             else:
-                self.state = "reasoning" if self.parser == "deepseek_r1" else "content"
+                self.state = "reasoning" if self.start == "reasoning" else "content"
         if self.state == "reasoning":
             i = self.buf.find(THINK_END)
             if i < 0:
@@ -73,9 +99,11 @@ class ReasoningStream:
         return Split(reasoning=rest) if self.state == "reasoning" else Split(content=rest)
 
 
-def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
+def split_reasoning(
+    text: str, parser: str, start: AnswerStart | None = None
+) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole answer."""
-    s = ReasoningStream(parser)
+    s = ReasoningStream(parser, start)
     a, b = s.feed(text), s.finish()
     reasoning = a.reasoning + b.reasoning
     return (reasoning if s.state != "content" or reasoning or THINK_END in text else None), (

@@ -20,7 +20,9 @@ from engine.errors import (
     InvalidRequestError,
     QueueFullError,
     RequestFailedError,
+    UnsatisfiableRequestError,
 )
+from engine.output.request_output import SampleError
 from engine.sampling_params import SamplingParamsError
 
 # Errors a request can raise before or while it streams, and the status each becomes.
@@ -66,6 +68,8 @@ def from_engine_error(exc: BaseException, field_of: Callable[[str | None], str])
     if isinstance(exc, InvalidRequestError):
         field = field_of(exc.param)
         message = str(exc)
+        if exc.param and message.startswith(f"{exc.param}:"):  # the engine's name: the field's
+            message = field + message[len(exc.param) :]
         if not message.startswith(f"{field}:"):
             message = f"{field}: {message}"
         return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message, field)
@@ -76,6 +80,11 @@ def from_engine_error(exc: BaseException, field_of: Callable[[str | None], str])
     if isinstance(exc, RequestFailedError):
         return RpcError(grpc.StatusCode.INTERNAL, f"the engine failed the request: {exc}")
     return RpcError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def sample_error_text(err: SampleError, field_of: Callable[[str | None], str]) -> str:
+    """A failed sample's `error` text: the message its INVALID_ARGUMENT would carry."""
+    return from_engine_error(UnsatisfiableRequestError(err.message, err.param), field_of).message
 
 
 def _trailer(err: RpcError) -> tuple[tuple[str, bytes], ...]:

@@ -12,6 +12,8 @@ statuses (NOT_FOUND for an unknown model).
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +34,8 @@ from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from appliance.telemetry import Tracing, record_request_span
 from engine.lora_request import LoRARequest
-from engine.request_stream import RequestStream
+from engine.output.request_output import SampleError
+from engine.request_stream import RequestStream, sole_choice_error
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,17 @@ def _field_of(param: str | None, parsed: LLMRequest | None = None) -> str:
     if param in (None, "prompt"):
         return "text_input"
     return param
+
+
+def _set_sample_errors(
+    resp: kpb.ModelInferResponse, failed: dict[int, SampleError], field_of: Callable
+) -> None:
+    """Samples of an n > 1 request that ended by their own constraints: finish_reason
+    "error" (with `return_finish_reason`) and, always, the response parameter
+    `sample_errors`, a JSON object from sample index to the message."""
+    if failed:
+        text = {str(i): errors.sample_error_text(e, field_of) for i, e in sorted(failed.items())}
+        resp.parameters["sample_errors"].string_param = json.dumps(text)
 
 
 def _wants_final_flag(req: kpb.ModelInferRequest) -> bool:
@@ -226,23 +240,37 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                 )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)
+            field_of = functools.partial(_field_of, parsed=parsed)
             if parsed.stream:
                 async for delta in stream:
                     if not delta.outputs:
                         continue
                     texts, counts = [""] * n, [0] * n
+                    failed: dict[int, SampleError] = {}
                     for d in delta.outputs:
                         texts[d.index], counts[d.index] = d.text, len(d.token_ids)
+                        if d.error is not None:
+                            failed[d.index] = d.error
                     final = delta.finished if final_flag else None
-                    yield self._response(req, parsed, stream, texts, counts, final)
+                    resp = self._response(req, parsed, stream, texts, counts, final)
+                    _set_sample_errors(resp, failed, field_of)
+                    yield resp
+                out = stream.output()
+                if (err := sole_choice_error([out])) is not None:
+                    raise err  # its only sample failed: an in-band error names why
             else:
                 out = await stream.result()
+                if (err := sole_choice_error([out])) is not None:
+                    raise err  # INVALID_ARGUMENT naming the field
                 prefix = "" if parsed.exclude_input else parsed.text
                 texts = [prefix + c.text for c in out.outputs]
                 counts = [len(c.token_ids) for c in out.outputs]
-                yield self._response(
+                resp = self._response(
                     req, parsed, stream, texts, counts, True if final_flag else None
                 )
+                failed = {c.index: c.error for c in out.outputs if c.error is not None}
+                _set_sample_errors(resp, failed, field_of)
+                yield resp
         except errors.ENGINE_ERRORS as e:
             error = str(e)
             raise

@@ -19,7 +19,7 @@ import grpc
 from appliance import structured
 from appliance.adapters import AdapterRegistry
 from appliance.config.schema import LoRASection
-from appliance.dialect.chat_output import ChatDialect, DialectError, constrain
+from appliance.dialect.chat_output import ChatDialect, DialectError, constrain, for_prompt
 from appliance.grpc import errors
 from appliance.grpc.auth import cache_salt_of
 from appliance.grpc.errors import RpcError, invalid
@@ -36,7 +36,7 @@ from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
 from appliance.telemetry import Tracing, record_request_span
 from engine.lora_request import LoRARequest
 from engine.output.request_output import SampleDelta
-from engine.request_stream import RequestStream, TokenCounts
+from engine.request_stream import RequestStream, TokenCounts, sole_choice_error
 from engine.sampling_params import SamplingParams
 
 # Proto fields copied as they are when set (the `optional` scalars).
@@ -203,6 +203,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             prompt, operation, prompt_field = await self._prompt(request, dialect)
             params = sampling_from_proto(request.sampling)
             if dialect is not None:
+                dialect = for_prompt(dialect, self._tokenizer, prompt)  # type: ignore[arg-type]
                 try:
                     constrain(params, dialect)
                 except DialectError as e:
@@ -227,9 +228,14 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                 for i, d in enumerate(delta.outputs):
                     last = delta.finished and i == len(delta.outputs) - 1
                     resp = self._response(rid, d, stream.counts() if last else None)
+                    if d.error is not None:
+                        resp.error = errors.sample_error_text(d.error, field_of)
                     if reader is not None:
                         reader.fill(resp, d.text, d.finish_reason)
                     yield resp
+            failed = sole_choice_error([stream.output()])
+            if failed is not None:  # its only sample failed: the call's status says why
+                raise failed
         except RpcError as e:
             error = e.message
             await errors.abort(context, e)

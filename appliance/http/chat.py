@@ -25,6 +25,7 @@ from appliance.dialect.chat_output import (
     chat_dialect,
     constrain,
     finish_reason,
+    for_prompt,
     parse_choice,
 )
 from appliance.dialect.tools_prompt import template_inputs, template_text
@@ -172,10 +173,6 @@ async def checked_prompt_ids(
     """The request's dialect and its rendered prompt ids, after the dialect's checks (tools,
     reasoning) constrained `params`: what generation and the render route both need."""
     dialect = dialect_of(state, req)
-    try:
-        constrain(params, dialect)
-    except DialectError as e:
-        raise bad_request(str(e), e.param) from None
     prompt_ids = await state.aeng.offload_if_large(
         chat_size(req.messages),
         render_chat,
@@ -186,6 +183,11 @@ async def checked_prompt_ids(
         req.chat_template_kwargs,
         dialect.tools,
     )
+    dialect = for_prompt(dialect, state.aeng.tokenizer, prompt_ids)
+    try:
+        constrain(params, dialect)
+    except DialectError as e:
+        raise bad_request(str(e), e.param) from None
     return dialect, prompt_ids
 
 
@@ -193,6 +195,10 @@ async def create_chat_completion(request: Request) -> Response:
     arrival, state, req, params, lora = await begin(request, ChatCompletionRequest)
     dialect, prompt_ids = await checked_prompt_ids(state, req, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+    def map_param(p: str | None) -> str | None:
+        return convert.engine_param(p, req)
+
     streams = await submit(
         state,
         [prompt_ids],
@@ -200,15 +206,16 @@ async def create_chat_completion(request: Request) -> Response:
         rid,
         priority=req.priority,
         arrival_time=arrival,
-        map_param=lambda p: convert.engine_param(p, req),
+        map_param=map_param,
         trace=(request, "chat"),
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
         lora_request=lora,
     )
-    events = _stream(state, req, dialect, rid, streams) if req.stream else None
+    events = _stream(state, req, dialect, rid, streams, map_param) if req.stream else None
     return await respond(
-        request, rid, streams, events, lambda f: _response(state, req, dialect, rid, f[0])
-    )
+        request, rid, streams, events,
+        lambda f: _response(state, req, dialect, rid, f[0], map_param), map_param,
+    )  # fmt: skip
 
 
 def chat_size(messages: list[ChatMessage]) -> int:
@@ -235,7 +242,12 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 def _response(
-    state: AppState, req: ChatCompletionRequest, dialect: ChatDialect, rid: str, out: RequestOutput
+    state: AppState,
+    req: ChatCompletionRequest,
+    dialect: ChatDialect,
+    rid: str,
+    out: RequestOutput,
+    map_param: convert.MapParam,
 ) -> ChatCompletionResponse:
     """The non-streamed answer; logs the request as done."""
     choices = []
@@ -257,6 +269,7 @@ def _response(
                 logprobs=lps,
                 finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                 stop_reason=c.stop_reason,
+                error=convert.choice_error(c.error, map_param),
             )
         )
     body = whole_body(
@@ -293,6 +306,7 @@ async def _stream(
     dialect: ChatDialect,
     rid: str,
     streams: list[RequestStream],
+    map_param: convert.MapParam,
 ) -> AsyncIterator[str]:
     w = ChunkWriter(
         ChatCompletionChunk, rid, state.response_model(req.model), req.stream_options, streams
@@ -320,6 +334,7 @@ async def _stream(
                 delta = _delta(piece) if piece else ChoiceDelta()
                 reason = _finish_reason(c.finish_reason, p.called)
                 if delta.model_fields_set or reason or lps:
+                    failed = {"error": convert.choice_error(c.error, map_param)} if c.error else {}
                     choices.append(
                         ChatChunkChoice(
                             index=c.index,
@@ -327,6 +342,7 @@ async def _stream(
                             logprobs=lps,
                             finish_reason=reason,
                             **({"stop_reason": c.stop_reason} if reason else {}),
+                            **failed,
                         )
                     )
             if choices:

@@ -57,6 +57,10 @@ async def create_completion(request: Request) -> Response:
     arrival, state, req, params, lora = await begin(request, CompletionRequest)
     prompts = prompts_of(req.prompt)
     rid = f"cmpl-{uuid.uuid4().hex}"
+
+    def map_param(p: str | None) -> str | None:
+        return convert.engine_param(p, req)
+
     streams = await submit(
         state,
         prompts,
@@ -64,17 +68,24 @@ async def create_completion(request: Request) -> Response:
         rid,
         priority=req.priority,
         arrival_time=arrival,
-        map_param=lambda p: convert.engine_param(p, req),
+        map_param=map_param,
         trace=(request, "text_completion"),
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
         lora_request=lora,
     )
-    events = _stream(state, req, rid, prompts, streams) if req.stream else None
-    return await respond(request, rid, streams, events, lambda f: _response(state, req, rid, f))
+    events = _stream(state, req, rid, prompts, streams, map_param) if req.stream else None
+    return await respond(
+        request, rid, streams, events, lambda f: _response(state, req, rid, f, map_param),
+        map_param,
+    )  # fmt: skip
 
 
 def _response(
-    state: AppState, req: CompletionRequest, rid: str, finals: list[RequestOutput]
+    state: AppState,
+    req: CompletionRequest,
+    rid: str,
+    finals: list[RequestOutput],
+    map_param: convert.MapParam,
 ) -> CompletionResponse:
     """The non-streamed answer; logs the request as done."""
     choices = []
@@ -90,6 +101,7 @@ def _response(
                     finish_reason=convert.finish_reason(c.finish_reason),
                     stop_reason=c.stop_reason,
                     prompt_logprobs=prompt_lps,
+                    error=convert.choice_error(c.error, map_param),
                 )
             )
     body = whole_body(
@@ -105,8 +117,10 @@ async def _stream(
     rid: str,
     prompts: list[str | list[int]],
     streams: list[RequestStream],
+    map_param: convert.MapParam,
 ) -> AsyncIterator[str]:
-    """SSE chunks: text deltas per choice, a final chunk per choice, usage, [DONE]."""
+    """SSE chunks: text deltas per choice, a final chunk per choice (a failed choice's with
+    finish_reason "error" and its `error`), usage, [DONE]."""
     w = ChunkWriter(
         CompletionStreamResponse, rid, state.response_model(req.model), req.stream_options, streams
     )
@@ -137,6 +151,7 @@ async def _stream(
                     )
                 reason = convert.finish_reason(c.finish_reason)
                 if c.text or reason or lps:
+                    failed = {"error": convert.choice_error(c.error, map_param)} if c.error else {}
                     choices.append(
                         CompletionChoice(
                             index=idx,
@@ -144,6 +159,7 @@ async def _stream(
                             logprobs=lps,
                             finish_reason=reason,
                             stop_reason=c.stop_reason,
+                            **failed,
                         )
                     )
             if choices:

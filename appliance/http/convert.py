@@ -9,24 +9,27 @@ import math
 from collections.abc import Callable, Sequence
 
 from appliance import structured
-from appliance.http.errors import APIError, bad_request
+from appliance.http.errors import APIError, bad_request, from_engine_error
 from appliance.http.protocol import (
     ChatCompletionRequest,
     ChatLogprobs,
     ChatLogprobToken,
     CompletionLogprobs,
     CompletionRequest,
+    ErrorInfo,
     TopLogprob,
     UsageInfo,
 )
 from engine.core.step_io import TokenLogprobs
-from engine.output.request_output import RequestOutput
+from engine.errors import UnsatisfiableRequestError
+from engine.output.request_output import RequestOutput, SampleError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
 # JSON has no -inf; OpenAI clients expect a number.
 _MIN_LOGPROB = -9999.0
 
 TokenStr = Callable[[int], str]
+MapParam = Callable[[str | None], str | None]
 
 
 def json_logprob(x: float) -> float:
@@ -153,15 +156,48 @@ def engine_param(param: str | None, req: CompletionRequest | ChatCompletionReque
     if param == "lora_request":  # the adapter the request's model selected
         return "model"
     if structured.is_engine_param(param):
-        return structured.client_field(param, constraint(req))
+        c = constraint(req)
+        if c is None and isinstance(req, ChatCompletionRequest) and forces_a_call(req):
+            return "tools"  # the grammar of a forced call is built from them
+        return structured.client_field(param, c)
     return param
 
 
+def forces_a_call(req: ChatCompletionRequest) -> bool:
+    """tool_choice `required` or a named function (with tools): the answer is a call."""
+    return bool(req.tools) and req.tool_choice not in (None, "none", "auto")
+
+
 def finish_reason(reason: str | None) -> str | None:
-    """Engine reasons to OpenAI's: stop and length pass; error/abort never reach a client."""
-    if reason in (None, "stop", "length"):
+    """Engine reasons to OpenAI's: stop and length pass, and "error" for a choice ended by
+    its own constraints (its `error` says why); an abort never reaches a client."""
+    if reason in (None, "stop", "length", "error"):
         return reason
     raise APIError(500, f"request ended with {reason}", "server_error", None, "engine_error")
+
+
+def client_error(e: Exception, map_param: MapParam) -> APIError:
+    """An engine error as the client's API error: `map_param` turns the engine's field
+    name into the request's (a message starting with the engine's name is renamed too)."""
+    err = from_engine_error(e)
+    param = map_param(err.param)
+    if err.param and param and param != err.param and err.message.startswith(f"{err.param}:"):
+        err.message = param + err.message[len(err.param) :]
+    err.param = param
+    return err
+
+
+def sample_error(err: SampleError) -> UnsatisfiableRequestError:
+    """A sample's own failure as the error its whole answer would raise (a 400)."""
+    return UnsatisfiableRequestError(err.message, err.param)
+
+
+def choice_error(err: SampleError | None, map_param: MapParam) -> ErrorInfo | None:
+    """A failed choice's `error` object: the body its 400 would carry (`client_error`)."""
+    if err is None:
+        return None
+    api = client_error(sample_error(err), map_param)
+    return ErrorInfo(message=api.message, type=api.type, param=api.param, code=api.code)
 
 
 def usage(outs: Sequence[RequestOutput]) -> UsageInfo:

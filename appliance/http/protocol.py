@@ -27,6 +27,21 @@ class ResponseModel(BaseModel):
 
 
 # ---- shared pieces -----------------------------------------------------------------------
+class ErrorInfo(ResponseModel):
+    """OpenAI's error object: the body of every error, and a failed choice's `error`."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+# A choice's finish: OpenAI's, and "error" for a choice ended by its own constraints (its
+# `error` says why; docs/serving.md, "Errors").
+TextFinish = Literal["stop", "length", "error"]
+ChatFinish = Literal["stop", "length", "tool_calls", "error"]
+
+
 class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -144,10 +159,11 @@ class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: TextFinish | None = None
     stop_reason: int | str | None = None
     # Per prompt token (the first is null): token id (as a string) -> its candidate entry.
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    error: ErrorInfo | None = Field(None, description='With finish_reason "error": why.')
 
 
 class UsageInfo(ResponseModel):
@@ -304,8 +320,9 @@ class ChatChoice(ResponseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    finish_reason: ChatFinish | None = None
     stop_reason: int | str | None = None
+    error: ErrorInfo | None = Field(None, description='With finish_reason "error": why.')
 
 
 class ChatCompletionResponse(CompletionEnvelope):
@@ -325,8 +342,9 @@ class ChatChunkChoice(ResponseModel):
     index: int
     delta: ChoiceDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    finish_reason: ChatFinish | None = None
     stop_reason: int | str | None = None
+    error: ErrorInfo | None = Field(None, description='With finish_reason "error": why.')
 
 
 class ChatCompletionChunk(CompletionEnvelope):
@@ -419,13 +437,6 @@ class HealthResponse(StatusResponse):
     attention_fallback_reason: str | None = None
     decode_graphs: bool
     graphs_fallback_reason: str | None = None
-
-
-class ErrorInfo(ResponseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
 
 
 class ErrorResponse(ResponseModel):

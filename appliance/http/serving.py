@@ -40,7 +40,7 @@ from appliance.metrics import ApplianceMetrics
 from engine.async_engine import AsyncEngine
 from engine.lora_request import LoRARequest
 from engine.output.request_output import RequestDelta, RequestOutput
-from engine.request_stream import RequestStream
+from engine.request_stream import RequestStream, sole_choice_error
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("appliance.http")
@@ -172,12 +172,7 @@ async def submit(
             for i in range(len(streams), len(prompts)):
                 state.tracer.forget(base_id if len(prompts) == 1 else f"{base_id}-{i}")
         if isinstance(e, Exception):
-            err = from_engine_error(e)
-            param = map_param(err.param)
-            if err.param and param != err.param and err.message.startswith(f"{err.param}:"):
-                err.message = param + err.message[len(err.param) :]
-            err.param = param
-            raise err from None
+            raise convert.client_error(e, map_param) from None
         raise
     return streams
 
@@ -264,17 +259,22 @@ async def respond(
     streams: Sequence[RequestStream],
     events: AsyncIterator[str] | None,
     finish: Callable[[list[RequestOutput]], ResponseModel],
+    map_param: Callable[[str | None], str | None] = lambda p: p,
 ) -> Response:
     """How every generation route answers once its requests are in the engine, shared so the
     routes cannot differ in it: `events` as SSE when streaming; otherwise the final outputs,
     turned into the JSON body by `finish` (which also logs), or a bare 499 if the client left
-    before them."""
+    before them. A whole answer whose only choice ended by its own constraints is that
+    choice's error (`sole_choice_error`: a 400 naming the field, by `map_param`)."""
     if events is not None:
         return SSEResponse(events, rid)
     try:
         finals = await until_disconnect(request, collect(streams), streams)
     except ClientGone:
         return Response(status_code=499)
+    failed = sole_choice_error(finals)
+    if failed is not None:
+        raise convert.client_error(failed, map_param)
     body = finish(finals)
     return JSONResponse(body.model_dump(mode="json"), headers={"X-Request-Id": rid})
 

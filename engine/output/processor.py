@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from engine.core.request import Request, RequestStatus
 from engine.core.step_io import RunnerOutput, TokenLogprobs
 from engine.output.detokenizer import IncrementalDetokenizer
-from engine.output.request_output import RequestDelta, RequestMetrics, SampleDelta
+from engine.output.request_output import RequestDelta, RequestMetrics, SampleDelta, SampleError
 from engine.output.tokenizer import Tokenizer
 
 
@@ -29,6 +29,7 @@ class SampleState:
     logprobs: list[TokenLogprobs] | None = None  # not reported yet; None: not asked for
     cumulative_logprob: float | None = None
     finish_sent: bool = False
+    error: SampleError | None = None  # this sample ended by its own constraints
 
 
 @dataclass
@@ -38,8 +39,7 @@ class RequestGroup:
     prompt_token_ids: list[int]
     samples: list[SampleState]
     prompt_logprobs: list[TokenLogprobs] | None = None
-    error: str | None = None
-    error_is_request: bool = False  # `error` is the request's own fault (its masks)
+    error: str | None = None  # the whole group failed (a failed step)
     _first_sent: bool = field(default=False)
 
     @property
@@ -61,7 +61,6 @@ class RequestGroup:
             outs,
             finished,
             error=self.error,
-            error_is_request=self.error_is_request,
         )
         if not self._first_sent:
             self._first_sent = True
@@ -114,6 +113,7 @@ def _take_sample_delta(index: int, s: SampleState) -> SampleDelta | None:
         cumulative_logprob=s.cumulative_logprob,
         finish_reason=finish,
         stop_reason=req.stop_reason if finish is not None else None,
+        error=s.error if finish is not None else None,
     )
 
 
@@ -208,6 +208,17 @@ class OutputProcessor:
                 sample.text += detok.get_delta()
             touched[parent] = None
         return list(touched), stops
+
+    def fail_sample(self, sample_id: str, error: SampleError) -> str | None:
+        """Records why a sample the scheduler has finished with an error ended, and releases
+        the text its detokenizer held back; returns its group's id (None if not held)."""
+        sample = self._sample_of.get(sample_id)
+        if sample is None:
+            return None
+        sample.error = error
+        sample.detokenizer.flush()  # a stop string it would complete is moot now
+        self._drain_text(sample)
+        return self.parent_of[sample_id]
 
     def finalize_stop(self, sample_id: str) -> None:
         """Takes the text of a sample the scheduler has stopped on a stop string."""

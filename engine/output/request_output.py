@@ -21,6 +21,19 @@ from dataclasses import dataclass, field
 from engine.core.step_io import TokenLogprobs
 
 
+@dataclass(frozen=True)
+class SampleError:
+    """Why one sample ended with `finish_reason: "error"`: its own constraints (the
+    structured-outputs grammar, allowed_token_ids, min_tokens) could not be followed, e.g.
+    the grammar engine hit a limit or the masks left no token. `param` names the request
+    field at fault (the engine's name, `structured_outputs.<kind>`); the request's other
+    samples are not affected. A failure of the engine itself fails the whole request
+    (`RequestOutput.error`) instead."""
+
+    message: str
+    param: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     """One sample's whole output."""
@@ -32,6 +45,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None (running)
     stop_reason: int | str | None = None  # the stop string or token id that matched
+    error: SampleError | None = None  # set with finish_reason "error": why this sample ended
 
 
 @dataclass
@@ -58,7 +72,8 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
-    # Set when the request failed inside the engine (finish_reason "error").
+    # Set when the request as a whole failed inside the engine (a failed step: every
+    # sample "error"); one sample's own failure is its `CompletionOutput.error`.
     error: str | None = None
 
 
@@ -73,6 +88,7 @@ class SampleDelta:
     cumulative_logprob: float | None = None  # the running total, not a difference
     finish_reason: str | None = None  # set once, on the sample's last delta
     stop_reason: int | str | None = None
+    error: SampleError | None = None  # with finish_reason "error": this sample's own failure
 
 
 @dataclass
@@ -86,12 +102,13 @@ class RequestDelta:
     prompt_token_ids: list[int] | None = None  # on the first delta only
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta only
     metrics: RequestMetrics | None = None  # on the first and the last delta
-    error: str | None = None  # the request failed inside the engine
-    error_is_request: bool = False  # ... because of its own parameters (a 400, not a 500)
+    error: str | None = None  # the request as a whole failed inside the engine (a failed step)
 
 
 class _SampleSum:
-    __slots__ = ("index", "texts", "token_ids", "logprobs", "cumulative_logprob", "finish", "stop")
+    __slots__ = (
+        "index", "texts", "token_ids", "logprobs", "cumulative_logprob", "finish", "stop", "error",
+    )  # fmt: skip
 
     def __init__(self, index: int):
         self.index = index
@@ -101,6 +118,7 @@ class _SampleSum:
         self.cumulative_logprob: float | None = None
         self.finish: str | None = None
         self.stop: int | str | None = None
+        self.error: SampleError | None = None
 
     def add(self, d: SampleDelta) -> None:
         if d.text:
@@ -113,7 +131,7 @@ class _SampleSum:
         if d.cumulative_logprob is not None:
             self.cumulative_logprob = d.cumulative_logprob
         if d.finish_reason is not None:
-            self.finish, self.stop = d.finish_reason, d.stop_reason
+            self.finish, self.stop, self.error = d.finish_reason, d.stop_reason, d.error
 
     def text(self) -> str:
         if len(self.texts) > 1:
@@ -136,7 +154,6 @@ class OutputAccumulator:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.metrics: RequestMetrics | None = None
         self.error: str | None = None
-        self.error_is_request = False
         self.finished = False
         self.num_output_tokens = 0  # over all samples
 
@@ -147,7 +164,7 @@ class OutputAccumulator:
         if delta.metrics is not None:
             self.metrics = delta.metrics
         if delta.error is not None:
-            self.error, self.error_is_request = delta.error, delta.error_is_request
+            self.error = delta.error
         self.finished = self.finished or delta.finished
         for d in delta.outputs:
             s = self._samples.get(d.index)
@@ -171,6 +188,7 @@ class OutputAccumulator:
                 logprobs=None if s.logprobs is None else list(s.logprobs),
                 finish_reason=s.finish,
                 stop_reason=s.stop,
+                error=s.error,
             )
             for s in self._sorted()
         ]
@@ -197,6 +215,7 @@ class OutputAccumulator:
                 cumulative_logprob=s.cumulative_logprob,
                 finish_reason=s.finish,
                 stop_reason=s.stop,
+                error=s.error,
             )
             for s in self._sorted()
         ]
@@ -209,7 +228,6 @@ class OutputAccumulator:
             prompt_logprobs=self.prompt_logprobs,
             metrics=self.metrics,
             error=self.error,
-            error_is_request=self.error_is_request,
         )
 
     def _sorted(self) -> list[_SampleSum]:

@@ -281,18 +281,25 @@ class ModelRunner:
         bitmask = self._grammar_bitmask(states, logits.shape[1])
         rows = [self._sampling_row(st) for st in states]
         sampled = self.sampler(logits, rows, bitmask)
-        req_ids, token_ids, logprobs = inputs.sample_req_ids, sampled.token_ids, sampled.logprobs
-        if sampled.failed:  # rows whose masks left no token: reported, not sampled
-            out.failed = {req_ids[i]: why for i, why in sampled.failed.items()}
-            kept = [i for i in range(len(rows)) if i not in sampled.failed]
-            req_ids = [req_ids[i] for i in kept]
-            token_ids = [token_ids[i] for i in kept]
-            logprobs = [logprobs[i] for i in kept]
-        for rid, tok in zip(req_ids, token_ids, strict=True):
-            st = self.states[rid]
-            st.token_ids.append(tok)
+        # Rows that end here, not sampled: masks that left no token, and grammars in their
+        # error state (whose mask allows EOS alone: a "stop" that would break the grammar).
+        failed = {**sampled.failed, **_grammar_errors(states)}
+        req_ids, token_ids, logprobs = [], [], []
+        for i, (rid, tok) in enumerate(zip(inputs.sample_req_ids, sampled.token_ids, strict=True)):
+            if i in failed:
+                continue
+            st = states[i]
             if st.grammar is not None:
                 st.grammar.advance(tok)
+                if (why := _grammar_error(st)) is not None:  # a limit hit taking this token
+                    failed[i] = why
+                    continue
+            st.token_ids.append(tok)
+            req_ids.append(rid)
+            token_ids.append(tok)
+            logprobs.append(sampled.logprobs[i])
+        if failed:
+            out.failed = {inputs.sample_req_ids[i]: why for i, why in failed.items()}
         out.req_ids = req_ids
         out.sampled_token_ids = [[t] for t in token_ids]
         if any(lp is not None for lp in logprobs):
@@ -332,7 +339,7 @@ class ModelRunner:
 
             self._grammar_executor = llguidance.LLExecutor()
         grammar = active[0][1].grammar
-        return fill_bitmask(
+        mask = fill_bitmask(
             self._grammar_executor,
             [(i, g.matcher) for i, g in active],
             len(states),
@@ -340,6 +347,9 @@ class ModelRunner:
             grammar.eos_token_id,
             self.eos_token_ids,
         )
+        for i, g in active:  # an optional reasoning section may still open
+            g.widen(mask[i])
+        return mask
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor, out: RunnerOutput):
         """Logprobs of each scored prompt token, PROMPT_LOGPROBS_CHUNK rows of logits at a
@@ -370,6 +380,19 @@ def _sample_hidden(hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
     return hidden.index_select(0, torch.tensor(rows, device=hidden.device))
 
 
+def _grammar_error(st: CachedRequestState) -> str | None:
+    """`structured_outputs.<kind>: ...` when the request's grammar is in its error state."""
+    why = st.grammar.error() if st.grammar is not None else None
+    if why is None:
+        return None
+    return f"structured_outputs.{st.grammar.grammar.kind}: the grammar engine stopped: {why}"
+
+
+def _grammar_errors(states: list[CachedRequestState]) -> dict[int, str]:
+    """The rows whose grammar is in its error state (only grammars that are active can be)."""
+    return {i: why for i, st in enumerate(states) if (why := _grammar_error(st)) is not None}
+
+
 def _grammar_state(
     grammar: object | None, params, output_token_ids: list[int]
 ) -> GrammarState | None:
@@ -383,4 +406,5 @@ def _grammar_state(
         grammar,
         so.start_after if so is not None else None,
         output_token_ids,
+        optional=so is not None and so.opened_by is not None,
     )

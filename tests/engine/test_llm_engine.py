@@ -183,10 +183,11 @@ def test_masks_that_empty_at_run_time_end_the_request_with_an_error_naming_them(
     other = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     eng.add_request("other", "Hello", other)
     finals = run_to_finals(eng, max_steps=50)
-    masked = finals["masked"]
-    assert masked.error is not None and "allowed_token_ids" in masked.error, masked.error
-    assert "min_tokens=3" in masked.error
-    assert masked.outputs[0].token_ids == []
+    masked = finals["masked"].outputs[0]
+    assert masked.finish_reason == "error" and finals["masked"].error is None
+    assert "allowed_token_ids" in masked.error.message, masked.error
+    assert "min_tokens=3" in masked.error.message and masked.error.param == "allowed_token_ids"
+    assert masked.token_ids == []
     assert finals["other"].error is None and len(finals["other"].outputs[0].token_ids) == 4
     assert not eng.has_unfinished_requests()
     assert eng.kv_manager.stats().num_free_blocks == eng.kv_manager.stats().num_blocks

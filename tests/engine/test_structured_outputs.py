@@ -176,8 +176,10 @@ def test_grammar_and_min_tokens_conflict_fails_by_name(llm):
     """Once the grammar allows only EOS, min_tokens masking EOS leaves no token."""
     spec = StructuredOutputsParams(choice=["yes"])
     (out,) = llm.generate(["Hello"], _params(spec, min_tokens=20), use_tqdm=False)
-    assert out.outputs[0].finish_reason == "error"
-    assert "structured_outputs grammar" in out.error and "min_tokens=20" in out.error
+    c = out.outputs[0]
+    assert c.finish_reason == "error" and out.error is None  # the sample's own failure
+    assert "structured_outputs grammar" in c.error.message and "min_tokens=20" in c.error.message
+    assert c.error.param == "structured_outputs.choice"
 
 
 @pytest.mark.parametrize(

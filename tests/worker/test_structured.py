@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import llguidance as llg
@@ -51,10 +52,10 @@ def test_compile_runs_on_the_compile_thread_and_is_cached(compiler, monkeypatch)
         json={"type": "object", "properties": {"a": {"type": "integer"}}}
     )
     same = StructuredOutputsParams(
-        json='{"properties": {"a": {"type": "integer"}}, "type": "object"}'
+        json='{"type": "object", "properties": {"a": {"type": "integer"}}}'
     )
     g1 = compiler.compile(spec)
-    assert compiler.compile(same) is g1  # one canonical key for equal schemas
+    assert compiler.compile(same) is g1  # one key for the same schema, as a dict or as text
     assert len(threads) == 1 and threads[0].startswith("grammar-compile")
 
 
@@ -132,3 +133,100 @@ def test_a_refused_token_puts_the_state_in_error(compiler, hf_tok):
     st = GrammarState(g)
     st.advance(hf_tok.encode("x")[0])
     assert st.error() is not None
+
+
+def _object(*names: str) -> dict:
+    """A schema whose properties are `names`, all required, in that order."""
+    return {
+        "type": "object",
+        "properties": {n: {"type": "string"} for n in names},
+        "required": list(names),
+        "additionalProperties": False,
+    }
+
+
+def _forced_bytes(compiler: GrammarCompiler, spec: StructuredOutputsParams) -> bytes:
+    return compiler.compile(spec).new_matcher().compute_ff_bytes()
+
+
+def test_json_properties_are_forced_in_the_clients_order_at_every_level(compiler):
+    """A schema {reasoning, answer} must let the model reason first: its first forced bytes
+    are `{"reasoning":`, its reordered twin's `{"answer":`, and the cache keeps them apart."""
+    inner = {"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "string"}},
+             "required": ["z", "a"], "additionalProperties": False}  # fmt: skip
+    first = _object("reasoning", "answer")
+    first["properties"]["reasoning"] = inner
+    twin = _object("answer", "reasoning")
+    spec, twin_spec = StructuredOutputsParams(json=first), StructuredOutputsParams(json=twin)
+    assert _forced_bytes(compiler, spec) == b'{"reasoning":{"z":"'
+    assert _forced_bytes(compiler, twin_spec) == b'{"answer":"'
+    assert compiler.compile(spec) is not compiler.compile(twin_spec)
+    # The schema as JSON text in the same order is the same constraint (one cache entry).
+    text = StructuredOutputsParams(json=json.dumps(first))
+    assert compiler.compile(text) is compiler.compile(spec)
+
+
+def _heap_in_use() -> int:
+    """Bytes the C heap has handed out and not taken back (glibc's mallinfo2): where
+    llguidance's structures live. Skips the test elsewhere."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]  # fmt: skip
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc's mallinfo2")
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+MIB = 1 << 20
+
+
+def test_compiled_grammars_hold_at_most_the_cache_bytes(hf_tok):
+    """Each distinct large grammar keeps megabytes (llguidance's lexer states, shared by
+    the cached template and every request's copy of it) until the cache drops it; the
+    cache holds at most `cache_bytes` of them, however many distinct grammars come."""
+    c = GrammarCompiler(hf_tok, VOCAB, {hf_tok.eos_token_id})
+    c.cache_bytes = 40 * MIB
+    try:
+        c.compile(StructuredOutputsParams(regex="warm-up")).new_matcher().compute_bitmask()
+        before = _heap_in_use()
+        for i in range(8):  # what a request with max_tokens=1 does with each
+            c.compile(StructuredOutputsParams(regex=f"a{{{30000 + i}}}")).new_matcher().compute_bitmask()
+        grown = _heap_in_use() - before
+        assert grown <= 40 * MIB + 8 * MIB, f"{grown / MIB:.0f} MiB held by 8 grammars"
+        assert 0 < c.cached_bytes() <= 40 * MIB
+    finally:
+        c.close()
+
+
+def test_the_accounted_size_is_the_grammars_heap(hf_tok):
+    c = GrammarCompiler(hf_tok, VOCAB, {hf_tok.eos_token_id})
+    try:
+        small, large = StructuredOutputsParams(regex="[a-z]+"), StructuredOutputsParams(regex="a{30000}")
+        c.compile(small)
+        before = _heap_in_use()
+        c.compile(large).new_matcher().compute_bitmask()
+        grown = _heap_in_use() - before
+        assert c.cached_bytes(small) < 2 * MIB
+        assert 0.5 * grown <= c.cached_bytes(large) <= 2 * grown + MIB, (c.cached_bytes(large), grown)
+    finally:
+        c.close()
+
+
+def test_a_grammar_above_the_size_limit_is_refused_naming_the_field(hf_tok):
+    c = GrammarCompiler(hf_tok, VOCAB, {hf_tok.eos_token_id}, max_grammar_bytes=2 * MIB)
+    try:
+        with pytest.raises(SamplingParamsError, match="structured_outputs.max_grammar_mib") as e:
+            c.compile(StructuredOutputsParams(regex="a{30000}"))
+        assert e.value.param == "structured_outputs.regex"
+        assert not c.cached(StructuredOutputsParams(regex="a{30000}"))
+        c.compile(StructuredOutputsParams(regex="[a-z]{1,8}"))  # small ones still compile
+    finally:
+        c.close()

@@ -300,7 +300,8 @@ def load_model(
         group=model_config.quantization_group,
     )
     choice = resolve_dtype(model_config.dtype, hf_config, device, quantized=plan.blocks)
-    logger.info("%s; %s", choice, plan.describe())
+    logger.info("%s", choice)
+    logger.info("%s", plan.describe())
     dtype = choice.dtype
     model = build_model(hf_config, dtype, device, tp, plan)
     if gguf is not None:

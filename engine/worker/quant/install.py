@@ -36,11 +36,12 @@ def install(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
             scratch=scratch, dtype=dtype,
         )))  # fmt: skip
     emb = model.model.embed_tokens
-    if getattr(model, "lm_head", None) is None:  # tied: the embedding is the LM head too
-        qe = QuantEmbedding(emb.num_embeddings, emb.embedding_dim, emb.tp, emb.vocab_start, dtype)
-        qe.linear.target = plan.head
-        qe.linear.scratch = scratch
-        replace.append(("model.embed_tokens", qe))
+    qe = QuantEmbedding(emb.num_embeddings, emb.embedding_dim, emb.tp, emb.vocab_start, dtype)
+    # Tied, the embedding is the LM head too and is quantized like one; untied it is only
+    # looked up (a GGUF's blocks stay blocks, float stays float).
+    qe.linear.target = plan.head if getattr(model, "lm_head", None) is None else None
+    qe.linear.scratch = scratch
+    replace.append(("model.embed_tokens", qe))
     for name, new in replace:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)

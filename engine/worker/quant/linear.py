@@ -187,7 +187,7 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp, self.vocab_start, self.act_dtype = tp, vocab_start, dtype
-        self.linear = QuantLinear(embedding_dim, num_embeddings, False, target=Q8, dtype=dtype)
+        self.linear = QuantLinear(embedding_dim, num_embeddings, False, target=None, dtype=dtype)
 
     def load_tensor(self, leaf: str, shard: str | None, tensor):
         self.linear.load_tensor(leaf, shard, tensor)

@@ -17,6 +17,7 @@ import collections
 import torch
 from torch import nn
 
+from engine.worker.quant.fp8 import Fp8Linear
 from engine.worker.quant.linear import DenseScratch, QuantEmbedding, QuantLinear
 from engine.worker.quant.plan import QuantPlan
 
@@ -30,7 +31,8 @@ def install(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
         head = name == "lm_head"
         offsets = getattr(module, "shard_offsets", None)
         sizes = {s: n for s, (_, n) in offsets.items()} if offsets else None
-        replace.append((name, QuantLinear(
+        cls = Fp8Linear if plan.method == "fp8" and not head else QuantLinear
+        replace.append((name, cls(
             module.in_features, module.out_features, module.bias is not None,
             shard_sizes=sizes, target=plan.head if head else plan.layers, group=plan.group,
             scratch=scratch, dtype=dtype,
@@ -53,7 +55,7 @@ def finalize_model(model: nn.Module) -> str:
     total = 0
     for module in list(model.modules()):
         if isinstance(module, QuantLinear | QuantEmbedding):
-            if isinstance(module, QuantLinear) and module.qdata.numel() + module.dense.numel():
+            if isinstance(module, QuantLinear) and module.finalized:
                 continue  # already finished (the embedding's linear)
             formats[module.finalize()] += 1
     emb = model.model.embed_tokens

@@ -103,6 +103,7 @@ class QuantLinear(nn.Module):
         self.kind: int | None = None  # Q4 / Q8 once finalized with blocks; None: dense
         self._staged: dict[str, torch.Tensor | BlockTensor] = {}
         self._biases: dict[str, torch.Tensor] = {}
+        self.finalized = False
 
     # ---- loading ------------------------------------------------------------------------
     def load_tensor(self, leaf: str, shard: str | None, tensor: torch.Tensor | BlockTensor):
@@ -126,6 +127,7 @@ class QuantLinear(nn.Module):
 
     def finalize(self) -> str:
         """Joins the staged shards into the layer's weight; returns its format's name."""
+        self.finalized = True
         missing = [s or "weight" for s in self.shards if s not in self._staged]
         if missing:
             raise ValueError(f"checkpoint is missing {', '.join(missing)}")

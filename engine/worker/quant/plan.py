@@ -41,6 +41,8 @@ class QuantPlan:
             return f"quantization {self.method}: float weights"
         if self.method == "gguf":
             return "quantization auto: the GGUF's quantized tensors kept in block formats"
+        if self.method == "fp8":
+            return "quantization fp8: linears e4m3 with per-channel scales, LM head as loaded"
         return f"quantization {self.method}: layers {_name(self.layers, self.group)}, " + (
             f"embedding/LM head {_name(self.head, BLOCK)}"
         )
@@ -71,7 +73,7 @@ def resolve_plan(
         from engine.worker.quant.fp8 import check_fp8_device
 
         check_fp8_device(device, "model.quantization")
-        return QuantPlan("fp8", blocks=False)
+        return QuantPlan("fp8", blocks=True)
     if requested == "none" or (requested == "auto" and not gguf_quantized):
         return QuantPlan("none" if requested == "none" else "auto", blocks=False)
     if requested == "auto":

@@ -86,3 +86,24 @@ class Fp8Linear(QuantLinear):
             bias=None if self.bias is None else self.bias.to(x.dtype),
         )  # fmt: skip
         return y.view(*lead, self.out_features)
+
+
+def to_fp8(model: torch.nn.Module) -> int:
+    """Replaces every float linear except the LM head by an Fp8Linear of its weight (for
+    benchmarks on random weights; checkpoints go through `model.quantization: fp8`).
+    Returns how many."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear) or name == "lm_head":
+            continue
+        layer = Fp8Linear(module.in_features, module.out_features, module.bias is not None,
+                          target=None, dtype=module.weight.dtype)  # fmt: skip
+        layer.to(module.weight.device)
+        layer.load_tensor("weight", None, module.weight.detach())
+        if module.bias is not None:
+            layer.load_tensor("bias", None, module.bias.detach())
+        layer.finalize()
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+        count += 1
+    return count

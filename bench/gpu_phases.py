@@ -288,7 +288,9 @@ def phase_fp8(dry: bool) -> dict:
     res["fp8"] = decode_rate(model, backend, caches(), None, dev, 1, per_seq, context, steps)
     got = greedy(32)
     res["greedy_agreement"] = sum(a == b for a, b in zip(ref, got, strict=True)) / len(ref)
-    res["first_divergence"] = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+    res["first_divergence"] = next(
+        (i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), None
+    )
     res["fp8_over_bf16"] = round(res["fp8"]["tokens_per_s"] / res["bf16"]["tokens_per_s"], 2)
     return res
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import LoadMeter, RESULTS_DIR, base_record, log, write_jsonl  # noqa: E402
+from bench.common import RESULTS_DIR, LoadMeter, base_record, log, write_jsonl  # noqa: E402
 
 # (name, K in, N out): SmolLM2-135M's linears and its tied LM head.
 SHAPES = [
@@ -90,7 +90,9 @@ def kernels_for(k: int, n: int, act: torch.dtype):
     out = {"dense F.linear": lambda x: F.linear(x, w)}
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, k, dtype=act), packed, None, "none", [], "")
+        torch.ops.mkldnn._linear_pointwise(
+            torch.zeros(1, k, dtype=act), packed, None, "none", [], ""
+        )
         out["oneDNN packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
             x, packed, None, "none", [], ""
         )
@@ -104,8 +106,8 @@ def kernels_for(k: int, n: int, act: torch.dtype):
     out["int8 weight-only"] = lambda x: torch._weight_int8pack_mm(x, w8, s8)
     for group in (32, 64):
         p4, sz = int4_pack(w32, group, act)
-        out[f"int4 weight-only g{group}"] = (
-            lambda x, p4=p4, sz=sz, group=group: torch._weight_int4pack_mm_for_cpu(x, p4, group, sz)
+        out[f"int4 weight-only g{group}"] = lambda x, p4=p4, sz=sz, group=group: (
+            torch._weight_int4pack_mm_for_cpu(x, p4, group, sz)
         )
     w8t = w8.t().contiguous()  # [K, N]
 

@@ -40,8 +40,8 @@ from engine.worker.kv_sizing import KVGeometry, size_kv_cache
 from engine.worker.lora.model_lora import check_lora_runtime
 from engine.worker.lora.registry import LoRARegistry
 from engine.worker.models.loader import load_model, resolve_max_model_len
-from engine.worker.quant.fp8 import check_kv_dtype
 from engine.worker.models.parallel import TensorParallel
+from engine.worker.quant.fp8 import check_kv_dtype
 from engine.worker.runner import ModelRunner
 from engine.worker.structured.compiler import GrammarCompiler
 

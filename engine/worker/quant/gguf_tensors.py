@@ -19,8 +19,8 @@ raw rows, which are whole blocks, so no weight is dequantized for it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -144,8 +144,10 @@ def _converter(qtype: Any, cols: int) -> Callable[[np.ndarray], torch.Tensor | B
 def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (HF halves <- interleaved pairs), on raw rows."""
     n = rows.shape[0]
-    return rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(
-        rows.shape
+    return (
+        rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
     )
 
 

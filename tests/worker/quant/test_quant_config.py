@@ -10,6 +10,7 @@ import torch
 from engine.config import CacheConfig, ConfigError, ModelConfig
 from engine.worker.models import gguf_loader
 from engine.worker.models.loader import load_model
+from engine.worker.quant.blocks import dequantize
 from engine.worker.quant.fp8 import (
     Fp8Linear,
     check_kv_dtype,
@@ -17,7 +18,6 @@ from engine.worker.quant.fp8 import (
     quantize_fp8_rows,
 )
 from engine.worker.quant.gguf_tensors import _converter
-from engine.worker.quant.blocks import dequantize
 from tests.support.tiny_models import make_tiny_gguf
 
 CPU = torch.device("cpu")

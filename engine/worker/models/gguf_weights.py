@@ -3,10 +3,11 @@
     gguf_has_quantized(index)                        any quantized 2-D tensor in the file?
     iter_gguf_weights(path, index, cfg, dev, sel, plan)  (HF name, tensor or BlockTensor)
 
-With a plan that keeps blocks (`model.quantization: auto`) the tensors come in their block
-formats (engine/worker/quant/gguf_tensors.py); otherwise (`none`) every quantized tensor is
-dequantized by the `gguf` package's own `gguf.quants.dequantize`, so the float path runs on
-exactly the values transformers reads from the file. A tensor type we cannot map is a
+With `model.quantization: auto` the tensors come in their block formats
+(engine/worker/quant/gguf_tensors.py); otherwise (`none`, and `int8` / `int4`, which then
+quantize these float values at load) every quantized tensor is dequantized by the `gguf`
+package's own `gguf.quants.dequantize`, so the float path runs on exactly the values
+transformers reads from the file. A tensor type we cannot map is a
 `ConfigError` on `model.path` naming the tensor and its type; a tensor-parallel slice that
 cuts through a block is one on `parallel.tensor_parallel_size`.
 """
@@ -40,7 +41,8 @@ def iter_gguf_weights(
     plan: QuantPlan,
 ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
     try:
-        for name, tensor, _ in read_gguf_tensors(path, index, hf_config, plan.blocks):
+        keep = plan.method == "gguf"  # int8 / int4 re-quantize the file's float values
+        for name, tensor, _ in read_gguf_tensors(path, index, hf_config, keep):
             part = select(name) if select is not None else None
             if part is not None:
                 tensor = _slice(tensor, part, name)

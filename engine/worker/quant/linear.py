@@ -104,6 +104,7 @@ class QuantLinear(nn.Module):
         self._staged: dict[str, torch.Tensor | BlockTensor] = {}
         self._biases: dict[str, torch.Tensor] = {}
         self.finalized = False
+        self._bound: qkernels.BoundLinear | None = None  # the small-rows kernel, bound
 
     # ---- loading ------------------------------------------------------------------------
     def load_tensor(self, leaf: str, shard: str | None, tensor: torch.Tensor | BlockTensor):
@@ -146,6 +147,10 @@ class QuantLinear(nn.Module):
             self.dense = dequantize(blocks, self.act_dtype).to(device)
             return f"{_NAMES[blocks.kind]} dequantized to {self.act_dtype} on {device.type}"
         self.kind, self.qdata = blocks.kind, blocks.data.contiguous()
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.detach().float().contiguous(), requires_grad=False)
+        if qkernels.available():
+            self._bound = qkernels.BoundLinear(self.qdata, self.kind, self.in_features, self.bias)
         return _NAMES[blocks.kind]
 
     def weight_bytes(self) -> int:
@@ -153,6 +158,15 @@ class QuantLinear(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        fast = self._bound
+        if (
+            fast is not None
+            and x.dim() == 2
+            and x.dtype == torch.float32
+            and 0 < x.shape[0] < DENSE_ROWS
+            and x.stride(-1) == 1
+        ):
+            return fast(x)  # the decode step: no reshape, no conversion
         if self.kind is None:
             return F.linear(x, self.dense, None if self.bias is None else self.bias.to(x.dtype))
         lead = x.shape[:-1]

@@ -67,6 +67,18 @@ def perturb_one_group(model, path="model.layers.0.mlp.down_proj") -> None:
     d.mul_(1.5)
 
 
+def check_and_perturb(loaded, ref: torch.Tensor, tol: float, what: str) -> None:
+    """Within `tol` of `ref` in one step (the dense path) and in chunks of 3 (the kernel),
+    and >= 3x `tol` away once one group's scale is off by 1.5x."""
+    diffs = [max_diff(logprobs(loaded, chunk=c), ref) for c in (None, 3)]
+    print(f"{what}: max |dlogprob| one step {diffs[0]:.2e}, chunks of 3 {diffs[1]:.2e}")
+    assert max(diffs) <= tol
+    perturb_one_group(loaded.model)
+    off = max_diff(logprobs(loaded, chunk=3), ref)
+    print(f"{what}: one scale x1.5 -> {off:.2e}")
+    assert off >= 3 * tol
+
+
 @pytest.fixture
 def gguf_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(gguf_loader.CACHE_ENV, str(tmp_path / "cache"))
@@ -81,13 +93,7 @@ def test_gguf_blocks_track_ggufs_own_dequantized_weights(
     ref = logprobs(load_model(ModelConfig(path=path, quantization="none", dtype="float32"), CPU))
     kept = load_model(ModelConfig(path=path, dtype="float32"), CPU)
     assert isinstance(kept.model.model.layers[0].mlp.down_proj, QuantLinear)
-    diffs = [max_diff(logprobs(kept, chunk=c), ref) for c in (None, 3)]  # dense and kernel
-    print(f"{qtype}: max |dlogprob| one step {diffs[0]:.2e}, chunks of 3 {diffs[1]:.2e}")
-    assert max(diffs) <= GGUF_TOL[qtype]
-    perturb_one_group(kept.model)
-    off = max_diff(logprobs(kept, chunk=3), ref)
-    print(f"{qtype}: one scale x1.5 -> {off:.2e}")
-    assert off >= 3 * GGUF_TOL[qtype]
+    check_and_perturb(kept, ref, GGUF_TOL[qtype], qtype)
 
 
 def _hf_on_quantized_weights(model_dir, method: str):
@@ -135,13 +141,7 @@ def test_quantized_at_load_computes_what_transformers_computes_on_those_weights(
     model_dir = tiny_checkpoint(arch, tie_word_embeddings=arch == "qwen3")
     ref = _hf_logprobs(_hf_on_quantized_weights(model_dir, method))
     loaded = load_model(ModelConfig(path=str(model_dir), quantization=method, dtype="float32"), CPU)
-    diffs = [max_diff(logprobs(loaded, chunk=c), ref) for c in (None, 4)]
-    print(f"{arch} {method}: max |dlogprob| vs transformers on the same values {max(diffs):.2e}")
-    assert max(diffs) <= AT_LOAD_TOL[method]
-    perturb_one_group(loaded.model)
-    off = max_diff(logprobs(loaded, chunk=4), ref)
-    print(f"{arch} {method}: one scale x1.5 -> {off:.2e}")
-    assert off >= 3 * AT_LOAD_TOL[method]
+    check_and_perturb(loaded, ref, AT_LOAD_TOL[method], f"{arch} {method}")
 
 
 @pytest.mark.parametrize("method", sorted(QUANT_ERROR_TOL))

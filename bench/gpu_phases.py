@@ -246,7 +246,57 @@ def phase_served(dry: bool) -> dict:
     return res
 
 
-PHASES = {"setup": phase_setup, "jit": phase_jit, "kv": phase_kv, "served": phase_served}
+def phase_fp8(dry: bool) -> dict:
+    """fp8 e4m3 weights (engine/worker/quant/fp8.py) vs bf16 on Llama-3-8B shapes: batch-1
+    decode tok/s of each, and greedy agreement over 32 steps from the same start."""
+    import numpy as np
+    import torch
+
+    from bench.gpu_decode import decode_rate
+    from bench.random_model import LLAMA3_8B, TINY, random_model
+    from engine.worker.attention.base import ForwardContext
+    from engine.worker.quant.fp8 import to_fp8
+    from engine.worker.runner import select_attention_backend
+
+    dev, dtype = _device(dry), torch.bfloat16
+    dims = TINY if dry else LLAMA3_8B
+    context, steps, per_seq, block = 128, 8 if dry else 64, 16, 16
+    model = random_model(dims, dev, dtype)
+    backend = select_attention_backend(dev, dtype, specs=model.attention_specs).backend
+    shape = (per_seq * 2, 2, block, model.num_kv_heads, model.head_dim)
+
+    def caches():
+        return [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(model.num_layers)]
+
+    def greedy(n: int) -> list[int]:
+        from bench.gpu_decode import decode_metadata
+
+        kv, ids, out = caches(), torch.tensor([7], device=dev), []
+        tables = np.arange(per_seq, dtype=np.int32).reshape(1, per_seq)
+        for s in range(n):
+            md = decode_metadata(tables, s + 1, dev)
+            backend.begin_step(md)
+            hidden = model(ids, md.positions, ForwardContext(md, kv, backend))
+            out.append(int(model.compute_logits(hidden).argmax(-1)[0]))
+            ids = torch.tensor([out[-1]], device=dev)
+        return out
+
+    res: dict[str, Any] = {"backend": backend.name, "dims": "tiny" if dry else "llama3-8b"}
+    res["bf16"] = decode_rate(model, backend, caches(), None, dev, 1, per_seq, context, steps)
+    ref = greedy(32)
+    res["fp8_linears"] = to_fp8(model)
+    res["fp8"] = decode_rate(model, backend, caches(), None, dev, 1, per_seq, context, steps)
+    got = greedy(32)
+    res["greedy_agreement"] = sum(a == b for a, b in zip(ref, got, strict=True)) / len(ref)
+    res["first_divergence"] = next(
+        (i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), None
+    )
+    res["fp8_over_bf16"] = round(res["fp8"]["tokens_per_s"] / res["bf16"]["tokens_per_s"], 2)
+    return res
+
+
+PHASES = {"setup": phase_setup, "jit": phase_jit, "kv": phase_kv, "served": phase_served,
+          "fp8": phase_fp8}  # fmt: skip
 
 
 def report(work: Path, out: Path) -> dict:

@@ -71,7 +71,12 @@ def engine_sets(args: argparse.Namespace) -> list[str]:
         model = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "llama")
     else:
         model = args.model
-    VOCAB[0] = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    config_dir = Path(model)
+    if not config_dir.is_dir():  # a .gguf file: its config is in the converted directory
+        from engine.worker.models.loader import resolve_model_path
+
+        config_dir = resolve_model_path(model)
+    VOCAB[0] = json.loads((config_dir / "config.json").read_text())["vocab_size"]
     return [
         f"model.path={model}", "model.dtype=float32", "runtime.device=cpu",
         f"runtime.num_threads={args.threads}", "cache.cpu_kv_cache_gib=0.5",

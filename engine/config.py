@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
+KV_DTYPES = ("auto", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
 
@@ -46,10 +48,25 @@ class ModelConfig:
     # None: the checkpoint's max_position_embeddings.
     max_model_len: int | None = None
     seed: int = 0
+    # auto | none | int8 | int4 | fp8 (engine/worker/quant/plan.py): auto keeps a GGUF's
+    # quantized tensors quantized; int8/int4 quantize float weights at load (CPU); fp8 CUDA.
+    quantization: str = "auto"
+    # int4's group width (a multiple of 32 dividing every linear's input width).
+    quantization_group: int = 32
 
     def __post_init__(self) -> None:
         _require(
             self.dtype in SUPPORTED_DTYPES, "model.dtype", f"must be one of {SUPPORTED_DTYPES}"
+        )
+        _require(
+            self.quantization in QUANTIZATIONS,
+            "model.quantization",
+            f"must be one of {QUANTIZATIONS}",
+        )
+        _require(
+            self.quantization_group > 0 and self.quantization_group % 32 == 0,
+            "model.quantization_group",
+            "must be a positive multiple of 32",
         )
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "model.max_model_len", "must be >= 1")
@@ -67,6 +84,8 @@ class CacheConfig:
     # CPU: KV cache size in GiB when num_kv_blocks is not set.
     cpu_kv_cache_gib: float = 1.0
     enable_prefix_caching: bool = True
+    # auto: the model's dtype; fp8_e4m3: FlashInfer's fp8 pages (CUDA sm 89+ only).
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require(_is_power_of_two(self.block_size), "cache.block_size", "must be a power of two")
@@ -75,6 +94,7 @@ class CacheConfig:
         if self.num_kv_blocks is not None:
             _require(self.num_kv_blocks >= 1, "cache.num_kv_blocks", "must be >= 1")
         _require(self.cpu_kv_cache_gib > 0, "cache.cpu_kv_cache_gib", "must be > 0")
+        _require(self.kv_dtype in KV_DTYPES, "cache.kv_dtype", f"must be one of {KV_DTYPES}")
 
 
 @dataclass(frozen=True)

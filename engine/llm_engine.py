@@ -41,6 +41,7 @@ from engine.worker.lora.model_lora import check_lora_runtime
 from engine.worker.lora.registry import LoRARegistry
 from engine.worker.models.loader import load_model, resolve_max_model_len
 from engine.worker.models.parallel import TensorParallel
+from engine.worker.quant.fp8 import check_kv_dtype
 from engine.worker.runner import ModelRunner
 from engine.worker.structured.compiler import CompiledGrammar, GrammarCompiler
 
@@ -93,6 +94,7 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         self.device = resolve_device(rt.device)
         check_lora_runtime(config, self.device)
+        check_kv_dtype(config.cache.kv_dtype, self.device)
         t0 = time.perf_counter()
         # Tensor parallelism: this process is rank 0 (scheduler, sampler, its own shard);
         # the pool holds ranks 1.. (None at size 1). See engine/worker/distributed/.

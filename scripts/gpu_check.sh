@@ -29,9 +29,9 @@ WHEELS=("flashinfer-python==0.7.2.post1" "apache-tvm-ffi==0.1.15.post2")
 CARRY=.gpu
 SITE=/tmp/gpu_site
 PY=${PY:-python3}
-ALL_PHASES=(setup jit backend graphs fidelity served kv decode)
+ALL_PHASES=(setup jit backend graphs fidelity served kv decode fp8)
 declare -A LIMIT=([setup]=60 [jit]=200 [backend]=90 [graphs]=90 [fidelity]=90 [served]=120
-                  [kv]=120 [decode]=120)
+                  [kv]=120 [decode]=120 [fp8]=150)
 # pytest phases: a -k selection of tests/worker/test_gpu.py (the dry run checks it selects some)
 declare -A TESTS=([backend]="(flashinfer_matches and not 24) or start_up_probe" [graphs]="graph_replays"
                   [fidelity]="transformers or picks_flashinfer")

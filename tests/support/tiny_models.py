@@ -285,10 +285,14 @@ def _llamacpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
-def make_tiny_gguf(hf_dir: str | Path, out_path: str | Path, quantize_q8: bool = False) -> Path:
+def make_tiny_gguf(
+    hf_dir: str | Path, out_path: str | Path, quantize_q8: bool = False, qtype: str | None = None
+) -> Path:
     """Write a llama-architecture GGUF of a tiny Llama checkpoint made by make_tiny_checkpoint.
 
-    Tensors are F32 (exact round trip) or, with `quantize_q8`, the 2-D weights are Q8_0.
+    Tensors are F32 (exact round trip) or, with `quantize_q8`, the 2-D weights are Q8_0; with
+    `qtype` (a `gguf.GGMLQuantizationType` name the gguf package quantizes: Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0) the 2-D weights are that type, quantized by gguf's own `quants.quantize`.
     The tokenizer (gpt2-style byte-level BPE) and chat template go into the metadata the way
     llama.cpp's converter writes them.
     """
@@ -356,9 +360,11 @@ def make_tiny_gguf(hf_dir: str | Path, out_path: str | Path, quantize_q8: bool =
         elif gg_name.endswith("attn_k.weight"):
             t = _llamacpp_permute(t, n_kv)
         arr = t.numpy().astype(np.float32)
-        if quantize_q8 and arr.ndim == 2:
-            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gg_name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        kind = qtype or ("Q8_0" if quantize_q8 else None)
+        if kind and arr.ndim == 2:
+            qt = gguf.GGMLQuantizationType[kind]
+            q = gguf.quants.quantize(arr, qt)
+            w.add_tensor(gg_name, q, raw_shape=q.shape, raw_dtype=qt)
         else:
             w.add_tensor(gg_name, arr)
     w.write_header_to_file()

@@ -30,7 +30,7 @@ import torch  # noqa: F401 - loads torch's libgomp before ours is resolved
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention.c", "fused_ops.c", "cache_write.c")
+SOURCES = ("paged_attention.c", "fused_ops.c", "cache_write.c", "quant_linear.c")
 FLAGS = [
     "-O3",
     "-march=native",
@@ -50,7 +50,11 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _i64, _i32, _i32, _i32],
     "rope_inplace": [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i64, _i32, _i32],
     "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
+    "quant_linear": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
+    "quant_dequantize": [_ptr, _i32, _i64, _i64, _ptr, _i32],
 }  # fmt: skip
+
+_RETURNS_INT = ("paged_attention", "quant_linear")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -105,7 +109,7 @@ def _load() -> ctypes.CDLL:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name == "paged_attention" else None
+        fn.restype = ctypes.c_int if name in _RETURNS_INT else None
     return lib
 
 

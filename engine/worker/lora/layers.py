@@ -66,9 +66,11 @@ class LoRALinear(nn.Module):
         self.slices = slices
         self.rank = max_rank
         self.step = step
-        w = base.weight
-        out_features, in_features = w.shape
-        dtype = torch.float32 if w.device.type == "cpu" else w.dtype
+        # in/out features and a tensor of the layer: a float weight or a quantized layer's
+        # bytes (the LoRA product stays float beside a quantized base).
+        w = next(t for t in (*base.parameters(), *base.buffers()) if t.numel())
+        out_features, in_features = base.out_features, base.in_features
+        dtype = torch.float32 if w.device.type == "cpu" else _float_dtype(base, w)
         sizes = _slice_sizes(base, slices, out_features)
         self.offsets = dict(zip(slices, _cumulative(sizes), strict=True))
         self.sizes = dict(zip(slices, sizes, strict=True))
@@ -135,6 +137,11 @@ def _slice_sizes(base: nn.Module, slices: tuple[str, ...], out_features: int) ->
     return [offsets[p.removesuffix("_proj")][1] for p in slices]
 
 
+def _float_dtype(base: nn.Module, w: torch.Tensor) -> torch.dtype:
+    """The base layer's compute dtype: its weight's, or a quantized layer's activations'."""
+    return w.dtype if w.is_floating_point() else getattr(base, "act_dtype", torch.float32)
+
+
 def _cumulative(sizes: list[int]) -> list[int]:
     out, start = [], 0
     for s in sizes:
@@ -154,7 +161,7 @@ def lora_shapes(model: nn.Module) -> LoRAShapes:
     shapes = {}
     for path, projs in WRAPPED.items():
         base = first.get_submodule(path)
-        out_features, in_features = base.weight.shape
+        out_features, in_features = base.out_features, base.in_features
         for proj, size in zip(projs, _slice_sizes(base, projs, out_features), strict=True):
             shapes[proj] = ProjectionShape(in_features, size)
     assert set(shapes) == set(SUPPORTED_MODULES)

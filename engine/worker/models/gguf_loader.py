@@ -1,16 +1,16 @@
-"""GGUF checkpoints: dequantize once into a cached HF-format directory, then load that.
+"""GGUF checkpoints: their config and tokenizer once into a small cached directory.
 
-transformers reads the GGUF's config, tokenizer (with chat template) and tensors, undoing
-llama.cpp's q/k row permutation. That takes seconds to tens of seconds, so the result is
-written once to
+The weights are read from the GGUF file itself at every load, by the `gguf` package's
+reader (engine/worker/quant/gguf_tensors.py), and kept in their block formats; only the
+config (config.json, generation_config.json) and the tokenizer with its chat template,
+which transformers converts from the GGUF's metadata in a few seconds, are written once to
 
     $APPLIANCE_CACHE/models/<stem>-<hash>      or   ~/.cache/appliance/models/<stem>-<hash>
 
 where the hash covers the file's absolute path, size and mtime, so a changed file converts
-again. The directory appears atomically: everything is written to a temporary sibling that
-is renamed into place at the end, so a killed conversion never leaves a half directory.
-Weights are kept in float32: dequantized values are exact there, and `model.dtype` picks
-the run dtype at load time.
+again (a few MB: no weights). The directory appears atomically: everything is written to a
+temporary sibling that is renamed into place at the end, so a killed conversion never
+leaves a half directory. `gguf_source(model_dir)` names the file the weights come from.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "APPLIANCE_CACHE"
 _DONE_MARKER = "appliance_conversion.json"
+_INDEX = "gguf_tensors.json"
 
 
 def gguf_cache_root() -> Path:
@@ -43,13 +44,13 @@ def converted_dir_for(gguf_path: Path, cache_root: Path | None = None) -> Path:
     """The cache directory a GGUF file converts to (it may not exist yet)."""
     gguf_path = gguf_path.resolve()
     st = gguf_path.stat()
-    key = f"{gguf_path}:{st.st_size}:{st.st_mtime_ns}".encode()
+    key = f"{gguf_path}:{st.st_size}:{st.st_mtime_ns}:metadata-only".encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
     return (cache_root or gguf_cache_root()) / f"{gguf_path.stem}-{digest}"
 
 
 def is_converted(model_dir: Path) -> bool:
-    return (model_dir / _DONE_MARKER).is_file() and (model_dir / "config.json").is_file()
+    return all((model_dir / f).is_file() for f in (_DONE_MARKER, "config.json", _INDEX))
 
 
 def convert_gguf(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
@@ -62,7 +63,7 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
     _remove_stale_tmp_dirs(final)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     start = time.perf_counter()
-    logger.info("converting %s to %s (once; dequantizing to float32)", gguf_path, final)
+    logger.info("reading %s's config and tokenizer into %s (once)", gguf_path, final)
     try:
         _write_hf_dir(gguf_path, tmp)
         (tmp / _DONE_MARKER).write_text(
@@ -89,34 +90,45 @@ def convert_gguf(gguf_path: str | Path, cache_root: Path | None = None) -> Path:
     return final
 
 
-def _write_hf_dir(gguf_path: Path, out: Path) -> None:
-    """config.json, generation_config.json, model.safetensors and tokenizer files into `out`.
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory's weights are read from (None: not a GGUF's)."""
+    marker = model_dir / _DONE_MARKER
+    if not marker.is_file():
+        return None
+    return Path(json.loads(marker.read_text())["source"])
 
-    transformers refuses `save_pretrained` on a GGUF-loaded model, so the state dict and the
-    config are written directly (a tied lm_head is dropped: it shares the embedding).
-    """
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+def gguf_index(model_dir: Path) -> dict:
+    """The tensor index recorded at conversion (engine/worker/quant/gguf_tensors.py)."""
+    return json.loads((model_dir / _INDEX).read_text())
+
+
+def _write_hf_dir(gguf_path: Path, out: Path) -> None:
+    """config.json, generation_config.json and tokenizer files into `out` (no weights).
+
+    The config records float32 (the dequantized values are exact there) and the HF class
+    name our registry knows; `model.dtype` picks the run dtype at load time."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from engine.worker.quant.gguf_tensors import index_gguf
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    index = index_gguf(gguf_path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     out.mkdir(parents=True)
-    config = model.config
-    state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.architectures = [type(model).__name__]
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.dtype = torch.float32
     config.save_pretrained(str(out))
-    gen = model.generation_config
+    gen = GenerationConfig.from_model_config(config)
     if tokenizer.eos_token_id is not None and gen.eos_token_id is None:
         gen.eos_token_id = tokenizer.eos_token_id
     gen.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+    (out / _INDEX).write_text(json.dumps(index))
 
 
 def _remove_stale_tmp_dirs(final: Path) -> None:

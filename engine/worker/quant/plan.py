@@ -1,0 +1,111 @@
+"""`model.quantization` -> what each layer keeps, decided before the model is built.
+
+    none   float weights in the run dtype (a GGUF's blocks dequantized by `gguf.quants`)
+    auto   what the checkpoint carries: a GGUF's quantized tensors stay in their block
+           format (gguf_tensors.py); a float checkpoint stays float
+    int8   float weights quantized at load: symmetric 8-bit per 32-weight block (q8)
+    int4   float weights quantized at load: asymmetric 4-bit per group of
+           `model.quantization_group` weights (q4); the embedding / LM head in q8
+    fp8    CUDA only (sm 89+): e4m3 weights with per-channel scales (fp8.py)
+
+Every refusal is a `ConfigError` naming the key, raised at start, never in a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import ConfigError
+from engine.worker.quant.blocks import BLOCK, Q4, Q8
+
+METHODS = ("auto", "none", "int8", "int4", "fp8")
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """What the loader builds: `layers` / `head` are the block kinds float linears and the
+    embedding + LM head are quantized to (None: kept as loaded); `blocks` says whether
+    the layers take block tensors at all (False: the plain float model)."""
+
+    method: str  # "none" | "gguf" | "int8" | "int4" | "fp8"
+    blocks: bool
+    layers: int | None = None
+    head: int | None = None
+    group: int = BLOCK
+
+    def describe(self) -> str:
+        if not self.blocks:
+            return f"quantization {self.method}: float weights"
+        if self.method == "gguf":
+            return "quantization auto: the GGUF's quantized tensors kept in block formats"
+        if self.method == "fp8":
+            return "quantization fp8: linears e4m3 with per-channel scales, LM head as loaded"
+        return f"quantization {self.method}: layers {_name(self.layers, self.group)}, " + (
+            f"embedding/LM head {_name(self.head, BLOCK)}"
+        )
+
+
+def _name(kind: int | None, group: int) -> str:
+    if kind == Q4:
+        return f"int4 (q4, asymmetric, group {group})"
+    if kind == Q8:
+        return "int8 (q8, symmetric, group 32)"
+    return "as loaded"
+
+
+def resolve_plan(
+    requested: str,
+    *,
+    gguf_quantized: bool,
+    hf_config: Any,
+    device: torch.device,
+    group: int = BLOCK,
+) -> QuantPlan:
+    """The plan for `model.quantization` = `requested` on this checkpoint and device.
+
+    `gguf_quantized`: the checkpoint is a GGUF with at least one quantized 2-D tensor."""
+    if requested not in METHODS:
+        raise ConfigError("model.quantization", f"must be one of {', '.join(METHODS)}")
+    if requested == "fp8":
+        from engine.worker.quant.fp8 import check_fp8_device
+
+        check_fp8_device(device, "model.quantization")
+        return QuantPlan("fp8", blocks=True)
+    if requested == "none" or (requested == "auto" and not gguf_quantized):
+        return QuantPlan("none" if requested == "none" else "auto", blocks=False)
+    if requested == "auto":
+        return QuantPlan("gguf", blocks=True)
+    if device.type != "cpu":
+        raise ConfigError(
+            "model.quantization",
+            f"{requested} runs on the CPU kernels only; on {device.type} use fp8 or none",
+        )
+    if requested == "int4":
+        _check_group(group, hf_config)
+        return QuantPlan("int4", blocks=True, layers=Q4, head=Q8, group=group)
+    _check_widths(hf_config, BLOCK, "model.quantization")
+    return QuantPlan("int8", blocks=True, layers=Q8, head=Q8)
+
+
+def _check_group(group: int, hf_config: Any) -> None:
+    if group <= 0 or group % BLOCK:
+        raise ConfigError("model.quantization_group", f"must be a multiple of {BLOCK}")
+    _check_widths(hf_config, group, "model.quantization_group")
+
+
+def _check_widths(hf_config: Any, group: int, key: str) -> None:
+    """Every linear's input width (hidden, intermediate, heads x head_dim) must divide."""
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    widths = {
+        "hidden_size": hf_config.hidden_size,
+        "intermediate_size": hf_config.intermediate_size,
+        "num_attention_heads * head_dim": hf_config.num_attention_heads * head_dim,
+    }
+    for what, n in widths.items():
+        if n % group:
+            raise ConfigError(key, f"{what} {n} is not divisible by the group of {group}")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.worker.kernels import fused
+from engine.worker.models.cpu_linear import packing_available
 from engine.worker.models.layers import RMSNorm, silu_and_mul
 from engine.worker.models.rope import apply_rope
 
@@ -150,7 +151,11 @@ def test_bf16_model_runs_the_kernels_and_packed_linears_and_matches_the_plain_pa
     model = fast.engine.runner.model
     assert model._cpu_fused
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
+    assert linears
+    if packing_available(torch.bfloat16):
+        assert all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
+    else:  # AVX2-only CPUs: oneDNN cannot pack bf16; the fused kernels still run
+        assert not any(hasattr(m, "packed_weight") for m in linears)
     assert not plain.engine.runner.model._cpu_fused
     prompt = {"prompt_token_ids": [5 + (7 * i) % 400 for i in range(40)]}
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)

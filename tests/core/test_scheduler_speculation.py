@@ -55,7 +55,7 @@ def verify(
     """Results of `so`: each sampling request gets `accept[rid]` (default all) of its
     proposals and then `bonus`; `drafts`: worker-side proposals for the next step."""
     ids, toks = [], []
-    for rid, n in so.num_scheduled_tokens.items():
+    for rid in so.num_scheduled_tokens:
         req = sched.get_request(rid)
         spec = so.spec_token_ids.get(rid, [])
         if req is None or req.num_computed_tokens != req.num_tokens + len(spec):

@@ -41,17 +41,17 @@ def fill_bitmask(
     words = bitmask_words(vocab_size)
     mask = np.full((num_rows, words), -1, dtype=np.int32)
     if matchers:
-        if drafts is None:
-            pairs = [(m, r) for r, m in matchers]
+        drafts = drafts if drafts is not None else [()] * len(matchers)
+        pairs = [(m, r) for (r, m), d in zip(matchers, drafts, strict=True) if not d]
+        triples = [(m, r, list(d)) for (r, m), d in zip(matchers, drafts, strict=True) if d]
+        if pairs:
             executor.unsafe_compute_mask_ptr(pairs, mask.ctypes.data, words * 4, num_rows)
-            row_ids = [r for r, _ in matchers]
-        else:
-            triples = [(m, r, list(d)) for (r, m), d in zip(matchers, drafts, strict=True)]
+        if triples:
             executor.unsafe_compute_mask_ptr_with_draft_token(
                 triples, mask.ctypes.data, words * 4, num_rows
             )
-            row_ids = [r + j for (r, _), d in zip(matchers, drafts, strict=True)
-                       for j in range(len(d) + 1)]  # fmt: skip
+        row_ids = [r + j for (r, _), d in zip(matchers, drafts, strict=True)
+                   for j in range(len(d) + 1)]  # fmt: skip
         others = [t for t in eos_token_ids if t != llg_eos and t < vocab_size]
         if others:
             rows = np.asarray(row_ids, dtype=np.int64)

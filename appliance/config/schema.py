@@ -21,6 +21,7 @@ from engine.config import (
     ParallelConfig,
     RuntimeConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
@@ -232,6 +233,7 @@ SECTIONS: dict[str, type] = {
     "runtime": RuntimeSection,
     "parallel": ParallelConfig,
     "lora": LoRASection,
+    "speculative": SpeculativeConfig,
     "server": ServerConfig,
     "telemetry": TelemetryConfig,
 }
@@ -264,6 +266,7 @@ class AppConfig:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRASection = field(default_factory=LoRASection)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
@@ -289,4 +292,5 @@ class AppConfig:
             runtime=runtime,
             parallel=self.parallel,
             lora=self.lora.engine_config(),
+            speculative=self.speculative,
         )

@@ -86,6 +86,9 @@ class RequestGroup:
             finished_time=max((t.finished or 0.0 for t in times), default=None) or None,
             preempted_times=sorted(p for t in times for p in t.preempted),
             num_cached_tokens=samples[0].num_cached_tokens,
+            spec_num_drafts=sum(r.spec.num_drafts for r in samples if r.spec),
+            spec_num_draft_tokens=sum(r.spec.num_draft_tokens for r in samples if r.spec),
+            spec_num_accepted_tokens=sum(r.spec.num_accepted_tokens for r in samples if r.spec),
         )
 
 

@@ -58,7 +58,9 @@ def test_served_speculation_streams_the_same_text_and_leaves_nothing_held(tiny_c
         async def storm():
             async with httpx.AsyncClient(base_url=stack.url, timeout=HANG_S) as c:
                 leave = [2 if i % 4 == 3 else None for i in range(len(prompts))]
-                return await asyncio.gather(*(_stream(c, p, n) for p, n in zip(prompts, leave)))
+                return await asyncio.gather(
+                    *(_stream(c, p, n) for p, n in zip(prompts, leave, strict=True))
+                )
 
         texts = asyncio.run(storm())
         for i, (got, want) in enumerate(zip(texts, expected, strict=True)):

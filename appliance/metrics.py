@@ -9,6 +9,10 @@ With LoRA on, the per-adapter series come from the same snapshot (running, waiti
 from the adapter registry (requests admitted per adapter, counted by every frontend).
 A per-app registry (not the global one) lets tests and several apps in one process coexist.
 
+With speculative decoding on, its counters are exported under vLLM's names
+(`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
+`_num_accepted_tokens_per_pos`, labelled `model_name` (and `position`)), from the same snapshot.
+
 Beside our own `appliance_*` names, three engine gauges are also exported under vLLM's
 names and label (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
 `vllm:kv_cache_usage_perc`, each labelled `model_name`): KV-aware gateways on Kubernetes
@@ -89,6 +93,34 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         if self.adapters is not None and self.adapters.enabled:
             yield from _lora_metrics(s, self.adapters)
+        if s.spec_decode is not None:
+            yield from _spec_decode_metrics(s, self.aeng.model_name)
+
+
+def _spec_decode_metrics(s: EngineStats, model: str) -> Iterator[Metric]:
+    """Speculative decoding's counters under vLLM's names and labels (a *draft* is one
+    request's proposals in one step): drafts, proposed tokens, accepted tokens, and accepted
+    tokens per proposal position (`position` 0 is the first proposal). Mean acceptance
+    length = 1 + accepted / drafts; acceptance rate = accepted / draft tokens."""
+    spec = s.spec_decode
+    assert spec is not None
+    counters = (
+        ("num_drafts", "Requests' proposal runs verified.", spec.num_drafts),
+        ("num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens),
+        ("num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens),
+    )
+    for name, doc, value in counters:
+        c = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
+        c.add_metric([model], value)
+        yield c
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted proposed tokens at each position of the proposals.",
+        labels=["model_name", "position"],
+    )
+    for pos, value in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([model, str(pos)], value)
+    yield per_pos
 
 
 def _lora_metrics(s: EngineStats, adapters: AdapterRegistry) -> Iterator[Metric]:

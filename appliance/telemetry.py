@@ -242,6 +242,11 @@ def request_attributes(
         attrs["gen_ai.latency.time_to_first_token"] = m.first_token_time - m.arrival_time
     if m.finished_time is not None:
         attrs["gen_ai.latency.e2e"] = m.finished_time - m.arrival_time
+    if m.spec_num_drafts:  # speculative decoding verified proposals of this request
+        attrs["appliance.spec_decode.mean_acceptance_length"] = m.spec_mean_acceptance_length
+        attrs["appliance.spec_decode.num_drafts"] = m.spec_num_drafts
+        attrs["appliance.spec_decode.num_draft_tokens"] = m.spec_num_draft_tokens
+        attrs["appliance.spec_decode.num_accepted_tokens"] = m.spec_num_accepted_tokens
     return attrs
 
 

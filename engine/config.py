@@ -7,6 +7,7 @@ a message a user can act on. Nothing here reads files or the environment.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -14,6 +15,13 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 KV_DTYPES = ("auto", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
+SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
+# Proposed tokens per request per step, at most (`speculative.num_speculative_tokens`): past
+# this a verify step's extra rows cost more than the few extra accepted tokens return, and
+# every proposer's per-request work grows with it.
+MAX_SPECULATIVE_TOKENS = 16
+# Longest n-gram the prompt-lookup proposer matches, and deepest suffix match.
+MAX_LOOKUP_LEN = 64
 
 
 class ConfigError(ValueError):
@@ -234,6 +242,137 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: propose tokens cheaply, verify them in one target step.
+
+    See docs/speculative.md for what each method does and when it pays."""
+
+    # none | ngram (prompt lookup) | suffix (suffix index over the request and recent
+    # outputs) | draft (a smaller model with the target's tokenizer, `draft_model`).
+    method: str = "none"
+    # Most tokens proposed per request per step (the adaptive rule picks 0..this).
+    num_speculative_tokens: int = 4
+    # ngram: the longest match of the context's last n tokens, n in [min, max], is looked up
+    # in the request's prompt and output so far.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # draft: a local checkpoint directory with the same tokenizer and vocabulary.
+    draft_model: str | None = None
+    # With more running requests than this, no request speculates (a hard cap over the
+    # adaptive rule). None: no cap.
+    disable_by_batch_size: int | None = None
+    # Choose k per request per step from its recent acceptance and the batch size
+    # (docs/speculative.md#adaptive-k); false: always num_speculative_tokens.
+    adaptive: bool = True
+    # A step's cost that does not grow with its tokens (weight reads, launch overheads), in
+    # units of one more token's compute: what the adaptive rule weighs an extra verified
+    # token against. bench/spec_decode.py --measure-cost measures it for a machine.
+    step_fixed_cost_tokens: float = 32.0
+    # suffix: longest context suffix matched; recent requests' outputs kept (0: only the
+    # request's own tokens); a continuation token is proposed while its share of the
+    # matching occurrences is at least min_token_prob; at most max_spec_factor x the match
+    # length tokens are proposed.
+    suffix_max_depth: int = 24
+    suffix_max_cached_requests: int = 1000
+    suffix_min_token_prob: float = 0.1
+    suffix_max_spec_factor: float = 1.0
+    # Constrained requests (structured outputs): the grammar's forced tokens are proposed
+    # (free and always accepted) whenever speculation is on.
+    grammar_fast_forward: bool = True
+
+    def __post_init__(self) -> None:
+        key = "speculative."
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            key + "method",
+            f"must be one of {SPECULATIVE_METHODS}",
+        )
+        _require(
+            isinstance(self.num_speculative_tokens, int)
+            and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            key + "num_speculative_tokens",
+            f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]",
+        )
+        _require(
+            1 <= self.prompt_lookup_min <= MAX_LOOKUP_LEN,
+            key + "prompt_lookup_min",
+            f"must be in [1, {MAX_LOOKUP_LEN}]",
+        )
+        _require(
+            self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_LOOKUP_LEN,
+            key + "prompt_lookup_max",
+            f"must be in [prompt_lookup_min, {MAX_LOOKUP_LEN}]",
+        )
+        if self.method == "draft":
+            _require(bool(self.draft_model), key + "draft_model", "must be set for method draft")
+        elif self.draft_model is not None:
+            _require(False, key + "draft_model", "is only read with method draft")
+        if self.disable_by_batch_size is not None:
+            _require(self.disable_by_batch_size >= 1, key + "disable_by_batch_size", "must be >= 1")
+        _require(self.step_fixed_cost_tokens > 0, key + "step_fixed_cost_tokens", "must be > 0")
+        _require(
+            1 <= self.suffix_max_depth <= MAX_LOOKUP_LEN,
+            key + "suffix_max_depth",
+            f"must be in [1, {MAX_LOOKUP_LEN}]",
+        )
+        _require(
+            0 <= self.suffix_max_cached_requests <= 100_000,
+            key + "suffix_max_cached_requests",
+            "must be in [0, 100000]",
+        )
+        _require(
+            0.0 <= self.suffix_min_token_prob <= 1.0,
+            key + "suffix_min_token_prob",
+            "must be in [0, 1]",
+        )
+        _require(
+            0.0 < self.suffix_max_spec_factor <= 16.0,
+            key + "suffix_max_spec_factor",
+            "must be in (0, 16]",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+# vLLM's `speculative_config` keys -> ours (ours are accepted too).
+_VLLM_SPECULATIVE_KEYS = {
+    "model": "draft_model",
+    "suffix_decoding_max_tree_depth": "suffix_max_depth",
+    "suffix_decoding_max_cached_requests": "suffix_max_cached_requests",
+    "suffix_decoding_min_token_prob": "suffix_min_token_prob",
+    "suffix_decoding_max_spec_factor": "suffix_max_spec_factor",
+}
+_VLLM_SPECULATIVE_METHODS = {"draft_model": "draft"}
+
+
+def speculative_config_from_dict(spec: dict | SpeculativeConfig | None) -> SpeculativeConfig:
+    """`LLM(speculative_config=...)`: a `SpeculativeConfig`, or a dict in vLLM's spelling
+    (`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`,
+    `{"model": "/path/to/draft", ...}`) or ours. ConfigError names an unknown key."""
+    if spec is None:
+        return SpeculativeConfig()
+    if isinstance(spec, SpeculativeConfig):
+        return spec
+    if not isinstance(spec, dict):
+        raise ConfigError("speculative", f"must be a mapping, got {type(spec).__name__}")
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    fields: dict = {}
+    for key, value in spec.items():
+        name = _VLLM_SPECULATIVE_KEYS.get(key, key)
+        if name not in known:
+            raise ConfigError(f"speculative.{key}", "unknown key")
+        fields[name] = value
+    method = fields.get("method")
+    if method is None:
+        fields["method"] = "draft" if fields.get("draft_model") else "none"
+    elif isinstance(method, str):
+        fields["method"] = _VLLM_SPECULATIVE_METHODS.get(method, method)
+    return SpeculativeConfig(**fields)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -242,3 +381,4 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

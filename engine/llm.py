@@ -28,6 +28,7 @@ from engine.config import (
     ParallelConfig,
     RuntimeConfig,
     SchedulerConfig,
+    speculative_config_from_dict,
 )
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest
@@ -76,6 +77,8 @@ _SECTIONS = {
 
 
 def build_engine_config(model: str | None = None, **overrides: Any) -> EngineConfig:
+    """`speculative_config`: a `SpeculativeConfig` or a dict in vLLM's spelling (or ours)."""
+    speculative = speculative_config_from_dict(overrides.pop("speculative_config", None))
     unknown = sorted(set(overrides) - set(_OVERRIDES))
     if unknown:
         raise TypeError(f"LLM() got unknown arguments {unknown}; known: {sorted(_OVERRIDES)}")
@@ -86,7 +89,8 @@ def build_engine_config(model: str | None = None, **overrides: Any) -> EngineCon
         fields[section][name] = value
     # With a small scheduler budget the default queue limit would refuse offline batches.
     fields["scheduler"].setdefault("max_queue_len", 1 << 20)
-    return EngineConfig(**{name: cls(**fields[name]) for name, cls in _SECTIONS.items()})
+    sections = {name: cls(**fields[name]) for name, cls in _SECTIONS.items()}
+    return EngineConfig(**sections, speculative=speculative)
 
 
 class LLM:

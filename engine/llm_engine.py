@@ -27,6 +27,7 @@ from engine.core import admission
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.core.spec.stats import SpecDecodeStats
 from engine.core.step_io import SchedulerOutput
 from engine.errors import InvalidRequestError, LoRAError
 from engine.lora_request import LoRARequest
@@ -34,6 +35,7 @@ from engine.output.processor import OutputProcessor
 from engine.output.request_output import RequestDelta, SampleError
 from engine.output.tokenizer import Tokenizer
 from engine.sampling_params import SamplingParams
+from engine.speculative import build_speculator, load_draft_model
 from engine.worker.distributed.group import threads_per_rank
 from engine.worker.distributed.pool import WorkerPool
 from engine.worker.kv_sizing import KVGeometry, size_kv_cache
@@ -73,6 +75,8 @@ class EngineStats:
     # LoRA adapter name -> requests (samples) running / waiting with it; empty without LoRA.
     lora_running: dict[str, int] = field(default_factory=dict)
     lora_waiting: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding's counters; None when it is off.
+    spec_decode: SpecDecodeStats | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -135,13 +139,20 @@ class LLMEngine:
             rt,
             eos_token_ids=self.tokenizer.eos_token_ids,
             lora=config.lora,
+            speculative=config.speculative,
         )
+        if config.speculative.method == "draft":
+            self.runner.proposer = load_draft_model(
+                config, model, self.tokenizer, self.device, block_size
+            )
         lora = self.runner.lora
         # The adapters in host memory; None when LoRA is off.
         self.loras = (
             LoRARegistry(lora.shapes, config.lora, lora.dtype) if lora is not None else None
         )
         geom = KVGeometry.of(model, block_size, loaded.dtype)
+        if self.runner.proposer is not None:  # a draft model's KV shares the block ids
+            geom = replace(geom, extra_bytes_per_block=self.runner.proposer.kv_bytes_per_block)
         num_blocks = size_kv_cache(self.runner, config, geom, self.max_model_len, tp)
         self.runner.allocate_kv_cache(num_blocks)
         if self.tp_workers is not None:
@@ -155,6 +166,7 @@ class LLMEngine:
             self.kv_manager,
             self.max_model_len,
             max_loras=config.lora.max_loras if lora is not None else None,
+            speculator=build_speculator(config.speculative),
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # Structured outputs: grammars compiled in prepare_request (off the engine thread).
@@ -325,8 +337,8 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(so, runner_out)
         self._generation_tokens_total += sum(len(t) for t in runner_out.sampled_token_ids)
         touched, stops = self.outputs.process(updated, runner_out)
-        for sample, stop in stops:
-            self.scheduler.stop_on_string(sample, stop)
+        for sample, stop, num_output_tokens in stops:
+            self.scheduler.stop_on_string(sample, stop, num_output_tokens)
             self.outputs.finalize_stop(sample.request_id)
         for rid, reason in runner_out.failed.items():  # its grammar or masks cannot go on
             gid = self._fail_sample(rid, reason)
@@ -440,6 +452,11 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             lora_running=lora_running,
             lora_waiting=lora_waiting,
+            spec_decode=(
+                self.scheduler.speculator.stats.snapshot()
+                if self.scheduler.speculator is not None
+                else None
+            ),
         )
 
 

@@ -22,6 +22,7 @@ from engine.config import (
     RuntimeConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
+    SpeculativeConfig,
 )
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
@@ -234,6 +235,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "lora": LoRASection,
     "structured_outputs": StructuredOutputsConfig,
+    "speculative": SpeculativeConfig,
     "server": ServerConfig,
     "telemetry": TelemetryConfig,
 }
@@ -267,6 +269,7 @@ class AppConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRASection = field(default_factory=LoRASection)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
@@ -293,4 +296,5 @@ class AppConfig:
             parallel=self.parallel,
             lora=self.lora.engine_config(),
             structured_outputs=self.structured_outputs,
+            speculative=self.speculative,
         )

@@ -12,9 +12,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.spec.state import SpecState
 
 
 class RequestStatus(enum.IntEnum):
@@ -112,6 +116,8 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # Speculative decoding's per-request state (engine.core.spec), made on first use.
+        self.spec: SpecState | None = None
         self.times = RequestTimes()
         if arrival_time is not None:
             self.times.arrival = arrival_time
@@ -142,6 +148,15 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drops output tokens past the first `num_output_tokens` (a stop string inside a
+        run of several tokens accepted in one step ends the output there)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - drop :]
+            self.num_computed_tokens = min(self.num_computed_tokens, len(self.all_token_ids))
 
     def __repr__(self) -> str:
         return (

@@ -30,6 +30,13 @@ that last token, copying the shared partial block first.
 
 LoRA: with `max_loras` set, the running requests use at most that many distinct adapters
 (see adapter_slots.py).
+
+Speculative decoding (a `Speculator`, engine/core/spec/): a decoding running request may
+be scheduled 1 + k tokens, its last one and k proposals, within the budget, the model
+length and its max_tokens. Proposals never cost a preemption: when the pool cannot cover
+them the request runs without them. `update_from_output` takes back the computed count of
+the rejected positions and the blocks only they used (block-table truncation, no copy);
+blocks are registered in the prefix cache only once full of known (accepted) tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from engine.core.adapter_slots import AdapterSlots, count_adapters, uses_adapter
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_queue
+from engine.core.spec.speculator import Speculator
 from engine.core.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from engine.core.stop import check_stop
 
@@ -65,6 +73,9 @@ class _Step:
     # Requests admitted from the waiting queue, with their computed tokens before this step.
     admitted: list[tuple[Request, int]] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    # Speculative decoding: proposals scheduled, and a draft model's lookahead, per request.
+    spec: dict[str, list[int]] = field(default_factory=dict)
+    lookahead: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -80,15 +91,17 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         max_loras: int | None = None,
+        speculator: Speculator | None = None,
     ):
         """`max_loras`: distinct LoRA adapters the running requests may use at once (the
-        runner's slots); None when LoRA is off."""
+        runner's slots); None when LoRA is off. `speculator`: speculative decoding, or None."""
         if max_model_len < 2:
             raise ValueError("max_model_len: must be >= 2 (one prompt and one output token)")
         self.config = config
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
         self.max_loras = max_loras
+        self.speculator = speculator
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = make_queue(config.policy)
@@ -165,6 +178,9 @@ class Scheduler:
             step.running,
         )
         budget = step.budget
+        spec = self.speculator
+        if spec is not None:
+            spec.begin_step(len(running))
         i = 0
         while budget > 0 and i < len(running):
             req = running[i]
@@ -177,7 +193,13 @@ class Scheduler:
             if n <= 0:  # nothing to compute until the runner answers for it
                 i += 1
                 continue
-            blocks = allocate(req, n)
+            blocks = None
+            if spec is not None and n == 1 and len(req.all_token_ids) - computed == 1:
+                blocks = self._allocate_speculative(req, budget, step)
+                if blocks is not None:
+                    n += len(step.spec.get(req.request_id, ()))
+            if blocks is None:
+                blocks = allocate(req, n)
             if blocks is None:
                 step.budget = budget
                 blocks, i = self._preempt_until_fits(req, i, n, step, now)
@@ -191,6 +213,34 @@ class Scheduler:
             budget -= n
             i += 1
         step.budget = budget
+
+    def _allocate_speculative(self, req: Request, budget: int, step: _Step) -> list[int] | None:
+        """Slots for a decode with proposals (and a draft model's lookahead), recorded in
+        `step`; None, with nothing recorded or allocated, when there are no proposals or the
+        pool cannot cover them (the caller allocates the plain decode)."""
+        spec = self.speculator
+        assert spec is not None
+        computed = req.num_computed_tokens
+        max_k = min(
+            budget - 1,
+            self.max_model_len - computed - 1,
+            req.max_tokens - req.num_output_tokens - 1,
+        )
+        draft = spec.propose(req, max_k)
+        ahead = spec.lookahead(req)
+        if ahead:  # its KV must fit the model length too
+            ahead = max(0, min(ahead, self.max_model_len - computed - 1 - len(draft)))
+        if not draft and not ahead:
+            return None
+        blocks = self.kv_manager.allocate_slots(req, 1 + len(draft) + ahead)
+        if blocks is None:
+            return None
+        rid = req.request_id
+        if draft:
+            step.spec[rid] = draft
+        if ahead:
+            step.lookahead[rid] = ahead
+        return blocks
 
     def _preempt_until_fits(
         self, req: Request, i: int, n: int, step: _Step, now: float
@@ -236,6 +286,8 @@ class Scheduler:
             step.budget += n
             del step.new_block_ids[rid]
             step.running.remove(victim)
+            step.spec.pop(rid, None)
+            step.lookahead.pop(rid, None)
         self.kv_manager.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
@@ -343,13 +395,16 @@ class Scheduler:
             replaced.setdefault(c.request_id, []).append((c.index, c.dst))
         num_scheduled = step.num_scheduled
         cached_reqs = []
+        speculating = self.speculator is not None
         for req in step.running:
             rid = req.request_id
+            new_ids = step.new_block_ids[rid]
             cached_reqs.append(
                 CachedRequestData(
-                    rid, step.new_block_ids[rid], replaced.get(rid, []), req.num_computed_tokens
+                    rid, new_ids, replaced.get(rid, []), req.num_computed_tokens,
+                    kv.num_blocks_held(rid) - len(new_ids) if speculating else None,
                 )
-            )
+            )  # fmt: skip
             req.num_computed_tokens += num_scheduled[rid]
         new_reqs = []
         for req, start in step.admitted:
@@ -378,6 +433,8 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=step.preempted,
             block_copies=[(c.src, c.dst) for c in copies],
+            spec_token_ids=step.spec,
+            num_lookahead_tokens=step.lookahead,
         )
 
     # ---- results ---------------------------------------------------------------------------
@@ -396,12 +453,16 @@ class Scheduler:
         requests, max_len = self.requests, self.max_model_len
         updated: list[Request] = []
         any_finished = False
+        spec_ids = scheduler_output.spec_token_ids
         for rid, token_ids in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, strict=True
         ):
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING or not token_ids:
                 continue
+            draft = spec_ids.get(rid) if spec_ids else None
+            if draft is not None:
+                self._settle_speculation(req, draft, token_ids)
             if req.max_tokens == 0:  # prompt scoring: its prefill is done, the sample dropped
                 req.status = RequestStatus.FINISHED_LENGTH
                 stopped = True
@@ -413,6 +474,8 @@ class Scheduler:
             if stopped:
                 self._finish(req, now, in_batch=True)
                 any_finished = True
+            elif draft is not None or rid in scheduler_output.num_lookahead_tokens:
+                self.kv_manager.truncate(req, req.num_computed_tokens)
             times = req.times
             if times.first_token is None:
                 times.first_token = now
@@ -420,7 +483,17 @@ class Scheduler:
             updated.append(req)
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
+        if runner_output.draft_token_ids and self.speculator is not None:
+            self.speculator.take_worker_proposals(requests, runner_output.draft_token_ids)
         return updated
+
+    def _settle_speculation(self, req: Request, draft: list[int], token_ids: list[int]) -> None:
+        """`req` ran 1 + len(draft) tokens and got `token_ids` back: the K/V of the first
+        len(token_ids) positions (its last token and the accepted proposals) stand; the
+        rejected positions are computed again as the tokens that replace them arrive."""
+        req.num_computed_tokens -= 1 + len(draft) - len(token_ids)
+        assert self.speculator is not None
+        self.speculator.settle(req, len(draft), len(token_ids))
 
     def _append_until_stop(self, req: Request, token_ids: list[int]) -> bool:
         """Appends several tokens (speculative decoding), dropping any after a stop."""
@@ -444,6 +517,8 @@ class Scheduler:
         req.num_computed_tokens -= self._in_flight.get(req.request_id, 0)
         self.kv_manager.free(req)
         del self.requests[req.request_id]
+        if self.speculator is not None:
+            self.speculator.on_finished(req)
         if in_batch:
             self._left_batch.add(req.request_id)
 
@@ -478,13 +553,23 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return done
 
-    def stop_on_string(self, request: Request, stop: str) -> None:
+    def stop_on_string(
+        self, request: Request, stop: str, num_output_tokens: int | None = None
+    ) -> None:
         """Ends `request` on a stop string the detokenizer found; `stop` is its stop_reason.
 
         A request still held is finished here. One this step already finished by length, EOS
         or a stop token is marked stopped by the string instead: the string came first in its
-        text. An aborted or failed request keeps its status.
+        text. An aborted or failed request keeps its status. `num_output_tokens`: the output
+        ends there, at the token that completed the string (several tokens accepted in one
+        step may run past it); the blocks of the tokens after it go with the request's.
         """
+        if num_output_tokens is not None and request.status in (
+            _RUNNING,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            request.truncate_output(num_output_tokens)
         if not request.is_finished:
             self.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
         elif request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):

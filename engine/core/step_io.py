@@ -10,6 +10,17 @@ Token ranges for one request in one step::
 
 A request samples a token this step iff computed + scheduled == its number of known tokens
 (prompt + output); a prefill chunk that stops short samples nothing.
+
+Speculative decoding (docs/speculative.md): a decoding request with k proposed tokens is
+scheduled 1 + k tokens, its last known token and the proposals, which are not known tokens::
+
+    tokens:  [ computed | last | d0 d1 .. dk-1 ]        scheduled = 1 + k
+    verify:             -> t0    t1 ..  tk              t_j samples the position after it
+
+The runner accepts d_j while t_j == d_j (greedy; the seeded per-position sample for the
+id-only proposers; the rejection rule for a draft model) and answers t0..ta: the accepted
+proposals and the token after them, a + 1 tokens. The scheduler then takes back the
+computed count of the k - a rejected positions and the blocks only they used.
 """
 
 from __future__ import annotations
@@ -50,6 +61,10 @@ class CachedRequestData:
     # Blocks replaced in place by copy-on-write: (index in table, new block id).
     replaced_block_ids: list[tuple[int, int]]
     num_computed_tokens: int
+    # Speculative decoding: blocks of the table the runner holds that are kept, before
+    # new_block_ids are appended (the scheduler gave back the blocks only rejected tokens
+    # used). None: all of them.
+    num_blocks_kept: int | None = None
 
 
 @dataclass
@@ -65,6 +80,12 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Copy-on-write: copy KV block src into dst, for every layer, before the forward.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: request_id -> the proposed tokens scheduled after its last
+    # known token (num_scheduled_tokens counts them).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> tokens a worker-side proposer (a draft model) proposes for the request's
+    # next step after this one; the slots its KV needs past this step's are allocated.
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -98,12 +119,17 @@ class PromptLogprobsChunk:
 class RunnerOutput:
     # Requests that sampled this step, in batch order.
     req_ids: list[str] = field(default_factory=list)
-    # One list per sampled request (one token today; a list leaves room for speculation).
+    # One list per sampled request: its accepted tokens (one without speculation; the
+    # accepted proposals and the token after them with it).
     sampled_token_ids: list[list[int]] = field(default_factory=list)
-    # Parallel to req_ids when any request asked for logprobs, else None.
-    logprobs: list[TokenLogprobs | None] | None = None
+    # Parallel to sampled_token_ids when any request asked for logprobs, else None: one
+    # entry per sampled token, or None for a request that did not ask.
+    logprobs: list[list[TokenLogprobs] | None] | None = None
     # request_id -> logprobs of prompt tokens 1..P-1 computed this step.
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     # request_id -> why it could not sample (its masks left no token): not in req_ids; the
     # engine ends it with this error.
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: request_id -> tokens a worker-side proposer (a draft model, the
+    # grammar's forced tokens) proposes for the request's next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -85,6 +85,9 @@ class RequestGroup:
             finished_time=max((t.finished or 0.0 for t in times), default=None) or None,
             preempted_times=sorted(p for t in times for p in t.preempted),
             num_cached_tokens=samples[0].num_cached_tokens,
+            spec_num_drafts=sum(r.spec.num_drafts for r in samples if r.spec),
+            spec_num_draft_tokens=sum(r.spec.num_draft_tokens for r in samples if r.spec),
+            spec_num_accepted_tokens=sum(r.spec.num_accepted_tokens for r in samples if r.spec),
         )
 
 
@@ -162,13 +165,17 @@ class OutputProcessor:
 
     def process(
         self, updated: list[Request], runner_output: RunnerOutput
-    ) -> tuple[list[str], list[tuple[Request, str]]]:
+    ) -> tuple[list[str], list[tuple[Request, str, int]]]:
         """Returns the ids of groups that progressed and the stop strings the detokenizer
-        found, as (sample request, stop string) pairs. This module never writes a request's
-        status: the caller reports each stop string to the scheduler
-        (`Scheduler.stop_on_string`), then calls `finalize_stop` for each, then `delta_for`
-        per group."""
-        step_lp: dict[str, TokenLogprobs | None] = {}
+        found, as (sample request, stop string, output tokens up to the one that completed
+        it) triples. This module never writes a request's status: the caller reports each
+        stop string to the scheduler (`Scheduler.stop_on_string`), then calls
+        `finalize_stop` for each, then `delta_for` per group.
+
+        Several new tokens in one step (speculative decoding) are detokenized one at a time,
+        exactly as if they had come in one step each: a stop string completed by one of them
+        ends the output there, and the later tokens (and their logprobs) are dropped."""
+        step_lp: dict[str, list[TokenLogprobs] | None] = {}
         if runner_output.logprobs is not None:
             step_lp = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
         for rid, chunk in runner_output.prompt_logprobs.items():
@@ -179,7 +186,7 @@ class OutputProcessor:
                 group.prompt_logprobs[chunk.first : end] = chunk.logprobs
 
         touched: dict[str, None] = {}  # group ids in order, once each
-        stops: list[tuple[Request, str]] = []
+        stops: list[tuple[Request, str, int]] = []
         parent_of, sample_of = self.parent_of, self._sample_of
         for req in updated:
             rid = req.request_id
@@ -188,22 +195,30 @@ class OutputProcessor:
                 continue
             sample = sample_of[rid]
             out_ids = req.output_token_ids
-            new_tokens = out_ids[sample.num_seen_tokens :]
+            seen = sample.num_seen_tokens
+            new_tokens = out_ids[seen:]
             sample.num_seen_tokens = len(out_ids)
-            lp = step_lp.get(rid) if step_lp else None
-            # No new token (a max_tokens=0 request finishing): its sample's logprobs are moot.
-            if sample.logprobs is not None and lp is not None and new_tokens:
-                sample.logprobs.append(lp)
-                sample.cumulative_logprob += lp.logprob
             if new_tokens and _ends_on_stop_token(req):
                 # Like vLLM: EOS / stop-token ids end the text without adding their own.
-                new_tokens = new_tokens[:-1]
+                text_tokens = new_tokens[:-1]
+            else:
+                text_tokens = new_tokens
             detok = sample.detokenizer
-            stop = detok.update(new_tokens) if new_tokens else None
+            stop, kept = _detokenize(detok, text_tokens) if text_tokens else (None, 0)
             if stop is None and req.is_finished and not detok.finished:
                 stop = detok.flush()  # text held back at the end may complete a stop string
+                kept = len(new_tokens)
+            elif stop is None:
+                kept = len(new_tokens)
+            # No new token (a max_tokens=0 request finishing): its sample's logprobs are moot.
+            lps = step_lp.get(rid) if step_lp else None
+            if sample.logprobs is not None and lps and kept:
+                for lp in lps[:kept]:
+                    sample.logprobs.append(lp)
+                    sample.cumulative_logprob += lp.logprob
             if stop is not None:
-                stops.append((req, stop))
+                stops.append((req, stop, seen + kept))
+                sample.num_seen_tokens = seen + kept
             else:
                 sample.text += detok.get_delta()
             touched[parent] = None
@@ -233,6 +248,18 @@ class OutputProcessor:
         """What the group gained since its previous delta."""
         group = self.groups.get(request_id)
         return group.take_delta() if group else None
+
+
+def _detokenize(detok: IncrementalDetokenizer, tokens: list[int]) -> tuple[str | None, int]:
+    """Feeds `tokens` one at a time; (the stop string one completed, tokens fed up to it),
+    or (None, len(tokens))."""
+    if len(tokens) == 1:
+        return detok.update(tokens), 1
+    for i, tok in enumerate(tokens):
+        stop = detok.update([tok])
+        if stop is not None:
+            return stop, i + 1
+    return None, len(tokens)
 
 
 def _ends_on_stop_token(req: Request) -> bool:

@@ -59,6 +59,17 @@ class RequestMetrics:
     finished_time: float | None = None
     preempted_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Speculative decoding, over the request's samples: proposal runs verified, proposed
+    # and accepted tokens (all 0 without it). Mean acceptance length: 1 + accepted / drafts.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        if not self.spec_num_drafts:
+            return None
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts
 
 
 @dataclass

@@ -39,6 +39,8 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # Bytes per block of another cache indexed by the same block ids (a draft model's).
+    extra_bytes_per_block: int = 0
 
     @classmethod
     def of(cls, model, block_size: int, dtype: torch.dtype) -> KVGeometry:
@@ -48,7 +50,8 @@ class KVGeometry:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        own = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return own + self.extra_bytes_per_block
 
 
 def check_room_for_one_request(

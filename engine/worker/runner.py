@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import ConfigError, LoRAConfig, RuntimeConfig
-from engine.core.step_io import PromptLogprobsChunk, RunnerOutput, SchedulerOutput
+from engine.config import ConfigError, LoRAConfig, RuntimeConfig, SpeculativeConfig
+from engine.core.step_io import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
 from engine.worker.attention.base import AttentionBackend, AttentionLayerSpec, ForwardContext
 from engine.worker.decode_graphs import GraphRunner, build_graph_runner
 from engine.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
@@ -28,7 +28,11 @@ from engine.worker.sampler import (
     SamplingRow,
     compute_prompt_logprobs,
     make_generator,
+    position_seed,
 )
+from engine.worker.spec.grammar import forced_tokens, verify_bitmask
+from engine.worker.spec.proposer import WorkerProposer, propose_after_step
+from engine.worker.spec.verify import RowGroup, accept_chain, draft_rejection, row_groups
 from engine.worker.status import AcceleratorStatus, describe_error
 from engine.worker.structured.bitmask import fill_bitmask
 from engine.worker.structured.compiler import CompiledGrammar
@@ -122,12 +126,15 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         flashinfer_module: Any = None,
         lora: LoRAConfig | None = None,
+        speculative: SpeculativeConfig | None = None,
     ):
         """`eos_token_ids`: the model's EOS ids, masked until a request reaches min_tokens.
         `backend`: the attention backend (default: `select_attention_backend` for
         runtime.attention_backend, probed with the model's layers). `flashinfer_module`: a
         stand-in for the flashinfer module (tests). `lora`: with `enabled`, the model's
-        linears run LoRA adapters (`engine.worker.lora`; no decode graphs then)."""
+        linears run LoRA adapters (`engine.worker.lora`; no decode graphs then).
+        `speculative`: speculative decoding is on (verification of the step's proposals
+        runs either way; this enables the grammar's forced-token proposals)."""
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -159,10 +166,11 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos_token_ids))
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, CachedRequestState] = {}
-        # A preempted request keeps its seeded generator so its samples continue, not restart.
-        self._parked_generators: dict[str, torch.Generator | None] = {}
         # llguidance's thread pool for the batch bitmask, made at the first constrained step.
         self._grammar_executor: Any = None
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
+        # A worker-side proposer (a draft model), set by the engine on the rank that samples.
+        self.proposer: WorkerProposer | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -171,6 +179,8 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)
         ]
+        if self.proposer is not None:
+            self.proposer.allocate_kv_cache(num_blocks)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -179,6 +189,8 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for cache in self.kv_caches:
             cache[dst] = cache[src]
+        if self.proposer is not None:
+            self.proposer.copy_blocks(src, dst)
 
     def capture_graphs(
         self, max_num_seqs: int, max_model_len: int, graph_factory: GraphFactory | None = None
@@ -209,17 +221,15 @@ class ModelRunner:
 
     # ---- state updates --------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        # Seeded draws are keyed by output position (`position_seed`), so a request resumed
+        # after preemption gets a fresh generator and still draws what it would have.
         for rid in so.finished_req_ids:
-            st = self.states.pop(rid, None)
-            if rid in so.preempted_req_ids and st is not None:
-                self._parked_generators[rid] = st.generator
-            elif rid not in so.preempted_req_ids:
-                self._parked_generators.pop(rid, None)
+            self.states.pop(rid, None)
+        if self.proposer is not None and so.finished_req_ids:
+            self.proposer.drop(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             rid = new.request_id
-            gen = self._parked_generators.pop(rid, None)
-            if gen is None:
-                gen = make_generator(new.sampling_params.seed, self.device)
+            gen = make_generator(new.sampling_params.seed, self.device)
             self.states[rid] = CachedRequestState(
                 request_id=rid,
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],
@@ -233,18 +243,20 @@ class ModelRunner:
             )
         for cached in so.scheduled_cached_reqs:
             st = self.states[cached.request_id]
+            if cached.num_blocks_kept is not None:
+                del st.block_ids[cached.num_blocks_kept :]
             for index, block_id in cached.replaced_block_ids:
                 st.block_ids[index] = block_id
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
-    def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
+    def append_sampled(self, req_ids: list[str], token_ids: list[list[int]]) -> None:
         """A tensor-parallel worker's copy of what rank 0 sampled in the previous step
         (workers do not sample; their next inputs need the tokens)."""
-        for rid, tok in zip(req_ids, token_ids, strict=True):
+        for rid, toks in zip(req_ids, token_ids, strict=True):
             st = self.states.get(rid)
             if st is not None:
-                st.token_ids.append(tok)
+                st.token_ids.extend(toks)
 
     # ---- execution ------------------------------------------------------------------------
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -272,39 +284,88 @@ class ModelRunner:
                 self.lora.end_step()
         out = RunnerOutput()
         self._prompt_logprobs(inputs, hidden, out)
-        if not inputs.sample_rows:
-            return out
-        logits = self.model.compute_logits(_sample_hidden(hidden, inputs))
-        if logits is None:  # a tensor-parallel worker: rank 0 got the logits and samples
-            return out
-        states = [self.states[rid] for rid in inputs.sample_req_ids]
-        bitmask = self._grammar_bitmask(states, logits.shape[1])
-        rows = [self._sampling_row(st) for st in states]
-        sampled = self.sampler(logits, rows, bitmask)
-        # Rows that end here, not sampled: masks that left no token, and grammars in their
-        # error state (whose mask allows EOS alone: a "stop" that would break the grammar).
-        failed = {**sampled.failed, **_grammar_errors(states)}
-        req_ids, token_ids, logprobs = [], [], []
-        for i, (rid, tok) in enumerate(zip(inputs.sample_req_ids, sampled.token_ids, strict=True)):
-            if i in failed:
-                continue
-            st = states[i]
-            if st.grammar is not None:
-                st.grammar.advance(tok)
-                if (why := _grammar_error(st)) is not None:  # a limit hit taking this token
-                    failed[i] = why
-                    continue
-            st.token_ids.append(tok)
-            req_ids.append(rid)
-            token_ids.append(tok)
-            logprobs.append(sampled.logprobs[i])
-        if failed:
-            out.failed = {inputs.sample_req_ids[i]: why for i, why in failed.items()}
-        out.req_ids = req_ids
-        out.sampled_token_ids = [[t] for t in token_ids]
-        if any(lp is not None for lp in logprobs):
-            out.logprobs = logprobs
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(_sample_hidden(hidden, inputs))
+            if logits is None:  # a tensor-parallel worker: rank 0 got the logits and samples
+                return out
+            self._sample(inputs, logits, out)
+        if self.proposer is not None:
+            propose_after_step(self.proposer, so, inputs, hidden, self.states, out)
         return out
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, out: RunnerOutput) -> None:
+        """Samples (and verifies the proposals of) every request with sample rows; appends
+        the tokens to its state and fills `out`. See `engine.worker.spec.verify`."""
+        groups = row_groups(inputs.sample_req_ids, inputs.spec_rows)
+        states = [self.states[g.req_id] for g in groups]
+        if inputs.spec_rows:
+            bitmask, constrained = self._verify_bitmask(groups, states, logits.shape)
+            rows = [
+                self._sampling_row(st, g.drafts[:j], constrained[g.first + j])
+                for g, st in zip(groups, states, strict=True)
+                for j in range(g.num_rows)
+            ]
+        else:
+            bitmask = self._grammar_bitmask(states, logits.shape[1])
+            rows = [self._sampling_row(st) for st in states]
+        sampled = self.sampler(logits, rows, bitmask)
+        # Grammars in their error state end their request here, not sampled: their mask
+        # allows EOS alone, a "stop" that would break the grammar.
+        errors = {g.req_id: why for g, st in zip(groups, states, strict=True)
+                  if (why := _grammar_error(st)) is not None}
+        results = (
+            draft_rejection(self.proposer, groups, states, logits, rows, bitmask)
+            if self.proposer is not None
+            else {}
+        )
+        all_lps: list[list[TokenLogprobs] | None] = []
+        for g, st in zip(groups, states, strict=True):
+            if g.req_id in results:
+                tokens, fail, lps = results[g.req_id]
+            else:
+                tokens, fail = accept_chain(sampled.token_ids, g, sampled.failed)
+                lps = [sampled.logprobs[g.first + j] for j in range(len(tokens))]
+            if fail is None:
+                fail = errors.get(g.req_id)
+            if fail is None and st.grammar is not None:
+                fail = _advance_grammar(st, tokens)
+            if fail is not None:  # no token left by its masks, or its grammar failed
+                out.failed[g.req_id] = fail
+                continue
+            st.token_ids.extend(tokens)
+            out.req_ids.append(g.req_id)
+            out.sampled_token_ids.append(tokens)
+            all_lps.append(lps if st.params.logprobs is not None else None)
+        if any(lp is not None for lp in all_lps):
+            out.logprobs = all_lps
+        self._forced_tokens(out)
+
+    def _verify_bitmask(self, groups: list[RowGroup], states, shape) -> tuple[Any, list[bool]]:
+        """The grammar mask of every verified position, and which rows it constrains."""
+        if not any(st.grammar is not None for st in states):
+            return None, [False] * shape[0]
+        if self._grammar_executor is None:
+            import llguidance
+
+            self._grammar_executor = llguidance.LLExecutor()
+        return verify_bitmask(
+            self._grammar_executor,
+            [(g.first, st.grammar, g.drafts) for g, st in zip(groups, states, strict=True)],
+            shape[0],
+            shape[1],
+            self.eos_token_ids,
+        )
+
+    def _forced_tokens(self, out: RunnerOutput) -> None:
+        """With speculation on, a constrained request's next tokens that its grammar forces
+        are proposed for its next step (they replace any other proposal: they are sure)."""
+        spec = self.speculative
+        if spec is None or not spec.grammar_fast_forward:
+            return
+        for rid in out.req_ids:
+            ff = forced_tokens(self.states[rid].grammar, spec.num_speculative_tokens)
+            if ff:
+                out.draft_token_ids[rid] = ff
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
@@ -313,18 +374,28 @@ class ModelRunner:
         ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
-    def _sampling_row(self, st: CachedRequestState) -> SamplingRow:
-        """The sampler's view of one request: its token ids (the state's own list, not a
-        copy) only when a penalty reads them."""
+    def _sampling_row(
+        self, st: CachedRequestState, drafts: list[int] | None = None, grammar: bool | None = None
+    ) -> SamplingRow:
+        """The sampler's view of one request at its next position, or, with `drafts`, at
+        the position after those proposals (speculative decoding): penalties count them,
+        min_tokens counts them as outputs, a seeded draw is that position's. Its token ids
+        (the state's own list, not a copy) only when a penalty reads them."""
         params = st.params
+        num_out = len(st.token_ids) - st.num_prompt_tokens
+        tokens = st.token_ids
+        if drafts:
+            num_out += len(drafts)
+            tokens = [*tokens, *drafts] if params.needs_penalties else tokens
         return SamplingRow(
             params,
-            st.token_ids if params.needs_penalties else (),
+            tokens if params.needs_penalties else (),
             st.num_prompt_tokens,
-            len(st.token_ids) - st.num_prompt_tokens,
+            num_out,
             st.generator,
             () if params.ignore_eos else self.eos_token_ids,
-            grammar=st.grammar is not None and st.grammar.active,
+            grammar=(st.grammar is not None and st.grammar.active) if grammar is None else grammar,
+            position_seed=None if params.seed is None else position_seed(params.seed, num_out),
         )
 
     def _grammar_bitmask(self, states: list[CachedRequestState], vocab: int):
@@ -388,9 +459,14 @@ def _grammar_error(st: CachedRequestState) -> str | None:
     return f"structured_outputs.{st.grammar.grammar.kind}: the grammar engine stopped: {why}"
 
 
-def _grammar_errors(states: list[CachedRequestState]) -> dict[int, str]:
-    """The rows whose grammar is in its error state (only grammars that are active can be)."""
-    return {i: why for i, st in enumerate(states) if (why := _grammar_error(st)) is not None}
+def _advance_grammar(st: CachedRequestState, tokens: list[int]) -> str | None:
+    """Advances the request's grammar by the step's accepted tokens; the error when a limit
+    is hit taking one of them (the step's tokens are then not emitted)."""
+    for tok in tokens:
+        st.grammar.advance(tok)
+        if (why := _grammar_error(st)) is not None:
+            return why
+    return None
 
 
 def _grammar_state(

@@ -15,6 +15,12 @@ batched. Order of operations (the same as vLLM v1, so results are comparable)::
         └─ sample: argmax(probs / q), q ~ Exp(1) drawn per seeded row from its own generator
 
 A step where every row is greedy and nothing edits the logits is a plain argmax.
+
+Seeds: a seeded row's randomness is drawn from its generator reseeded with
+`position_seed(seed, output position)`, so a seeded request's token at each position
+depends on its seed, the position and its logits only: the same with or without
+speculative decoding (which samples several positions of one request in one step), after
+a preemption, and whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -54,6 +60,9 @@ class SamplingRow:
     # True when the step's grammar bitmask has a row for this request (structured outputs
     # with its grammar active): the sampler masks what the grammar forbids.
     grammar: bool = False
+    # The generator is reseeded with this right before the row's draw
+    # (`position_seed(params.seed, output position)`); None: draw from it as it stands.
+    position_seed: int | None = None
 
 
 @dataclass
@@ -76,6 +85,22 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     gen = torch.Generator(device=device)
     gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
     return gen
+
+
+_MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit ints that scatters nearby inputs."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int, stream: int = 0) -> int:
+    """The generator seed of a seeded request's sample at output `position` (`stream` tells
+    apart several draws at one position, e.g. a draft model's and a rejection test's)."""
+    return _mix64((seed & _MASK64) ^ _mix64((position << 8 | stream) + 0x9E3779B97F4A7C15))
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -169,6 +194,52 @@ def _sample(
     """Token ids [N] for a batch that needs more than a plain argmax, and the rows whose
     masks left no token (their ids are meaningless)."""
     logits = logits.clone()  # the raw logits stay intact for logprobs
+    failed = _apply_masks(logits, rows, grammar_bitmask)
+    greedy = [r.params.greedy for r in rows]
+    if all(greedy):
+        return row_argmax(logits), failed
+    greedy_ids = row_argmax(logits) if any(greedy) else None
+    _apply_temperature_and_truncation(logits, rows, greedy)
+    sampled = _exponential_race(torch.softmax(logits, dim=-1), rows, greedy)
+    if greedy_ids is not None:
+        sampled = torch.where(torch.tensor(greedy, device=logits.device), greedy_ids, sampled)
+    return sampled, failed
+
+
+def target_distributions(
+    logits: torch.Tensor, rows: list[SamplingRow], grammar_bitmask: np.ndarray | None = None
+) -> tuple[torch.Tensor, dict[int, str]]:
+    """The distribution each row samples from, [N, V] float32 (one-hot at the argmax for a
+    greedy row), after every mask, penalty, temperature and truncation, and the rows whose
+    masks left no token. What speculative decoding's rejection rule compares a draft
+    model's proposal distribution against."""
+    logits = logits.float().clone()
+    failed = _apply_masks(logits, rows, grammar_bitmask)
+    greedy = [r.params.greedy for r in rows]
+    _apply_temperature_and_truncation(logits, rows, greedy)
+    probs = torch.softmax(logits, dim=-1)
+    if any(greedy):
+        idx = [i for i, g in enumerate(greedy) if g]
+        rows_t = torch.tensor(idx, device=logits.device)
+        hot = torch.zeros(len(idx), logits.shape[1], device=logits.device)
+        hot.scatter_(1, row_argmax(logits[rows_t]).unsqueeze(1).to(logits.device), 1.0)
+        probs[rows_t] = hot
+    return probs, failed
+
+
+def sampled_logprobs(
+    logits: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]
+) -> list[TokenLogprobs | None]:
+    """Logprobs of the given tokens under the RAW logits, for the rows that ask for them."""
+    ids = torch.tensor(token_ids, device=logits.device, dtype=torch.long)
+    return _sampled_logprobs(logits.float(), rows, ids)
+
+
+def _apply_masks(
+    logits: torch.Tensor, rows: list[SamplingRow], grammar_bitmask: np.ndarray | None
+) -> dict[int, str]:
+    """Grammar, allowed ids, min_tokens, logit bias and penalties, in place; the rows left
+    without any token."""
     grammar_rows = [i for i, r in enumerate(rows) if r.grammar]
     if grammar_rows:
         if grammar_bitmask is None:
@@ -178,14 +249,14 @@ def _sample(
     _apply_min_tokens(logits, rows)
     _apply_logit_bias(logits, rows)
     _apply_penalties(logits, rows)
-    failed = _rows_without_a_token(logits, rows)
+    return _rows_without_a_token(logits, rows)
 
-    greedy = [r.params.greedy for r in rows]
-    if all(greedy):
-        return row_argmax(logits), failed
+
+def _apply_temperature_and_truncation(
+    logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]
+) -> None:
+    """temperature -> min-p -> top-k -> top-p on the sampled rows, in place."""
     device = logits.device
-    greedy_ids = row_argmax(logits) if any(greedy) else None
-
     # Greedy rows get temperature 1 so the division is harmless; their result is replaced.
     temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows, strict=True)]
     if any(t != 1.0 for t in temps):
@@ -206,11 +277,6 @@ def _sample(
         for g, r in zip(greedy, rows, strict=True)
     ]
     _apply_top_k_top_p(logits, top_ks, top_ps)
-
-    sampled = _exponential_race(torch.softmax(logits, dim=-1), rows, greedy)
-    if greedy_ids is not None:
-        sampled = torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
-    return sampled, failed
 
 
 def _rows_without_a_token(logits: torch.Tensor, rows: list[SamplingRow]) -> dict[int, str]:
@@ -253,14 +319,16 @@ def _exponential_race(
     """
     u = torch.empty_like(probs)
     seeded = [
-        (i, r.generator)
+        (i, r)
         for i, (r, g) in enumerate(zip(rows, greedy, strict=True))
         if r.generator is not None and not g
     ]
     if len(seeded) < len(rows):
         u.uniform_()
-    for i, gen in seeded:
-        u[i].uniform_(generator=gen)
+    for i, r in seeded:
+        if r.position_seed is not None:
+            r.generator.manual_seed(r.position_seed)
+        u[i].uniform_(generator=r.generator)
     # Clamped so q is never 0: 0/0 would be NaN, which argmax treats as the maximum.
     q = u.log_().neg_().clamp_(min=torch.finfo(u.dtype).tiny)
     return row_argmax(probs.div_(q))

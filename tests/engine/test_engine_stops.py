@@ -74,7 +74,7 @@ def test_processor_reports_a_stop_string_and_the_scheduler_sets_status(tiny_llam
     (updated,) = sched.update_from_output(sched.schedule(), RunnerOutput(["r"], [[7]]))
     assert req.status is RequestStatus.FINISHED_LENGTH
     _, stops = processor.process([updated], RunnerOutput(["r"], [[7]]))
-    assert stops == [(req, "%")]
+    assert stops == [(req, "%", 1)]
     assert req.status is RequestStatus.FINISHED_LENGTH and req.stop_reason is None
     sched.stop_on_string(req, "%")
     processor.finalize_stop("r")

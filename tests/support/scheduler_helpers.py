@@ -13,6 +13,7 @@ from engine.config import SchedulerConfig
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
+from engine.core.spec.speculator import Speculator
 from engine.core.step_io import RunnerOutput, SchedulerOutput
 from engine.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ def make_scheduler(
     max_model_len: int = 256,
     max_queue_len: int = 64,
     prefix_caching: bool = True,
+    speculator: Speculator | None = None,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -64,7 +66,7 @@ def make_scheduler(
         max_queue_len=max_queue_len,
     )
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(cfg, kv, max_model_len)
+    return Scheduler(cfg, kv, max_model_len, speculator=speculator)
 
 
 def fake_runner_output(

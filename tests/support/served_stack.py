@@ -23,7 +23,14 @@ from appliance.config import ServerConfig
 from appliance.http.app import build_app
 from appliance.http.server import BackgroundServer
 from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tests.support.grpc_harness import Harness, start_harness
 from tests.support.waiting import HANG_S, wait_for
 
@@ -37,12 +44,13 @@ def tiny_engine(
     block_size: int = 16,
     enable_prefix_caching: bool = True,
     max_model_len: int = MAX_MODEL_LEN,
+    speculative: SpeculativeConfig | None = None,
     **scheduler: Any,
 ) -> Any:
     """An LLMEngine on the tiny checkpoint, small enough that every suite stays fast on two
     shared cores: context 128 (as test_http_openai.py) unless `max_model_len` says
     otherwise, max_n 4, one torch thread.
-    `scheduler` overrides SchedulerConfig fields."""
+    `scheduler` overrides SchedulerConfig fields; `speculative`: speculative decoding."""
     from engine.llm_engine import LLMEngine
 
     sched = {"max_num_seqs": 32, "max_n": 4, **scheduler}
@@ -58,6 +66,7 @@ def tiny_engine(
             ),
             scheduler=SchedulerConfig(**sched),
             runtime=RuntimeConfig(device="cpu", num_threads=1),
+            speculative=speculative or SpeculativeConfig(),
         )
     )  # fmt: skip
 

@@ -26,19 +26,24 @@ from tests.support.waiting import HANG_S
 
 def _step() -> SchedulerOutput:
     new = NewRequestData("a", [1, 2, 3], [9], SamplingParams(seed=4), [0, 1], 2, grammar="G")
-    cached = [CachedRequestData("b", [7], [(0, 5)], 12), CachedRequestData("c", [], [], 3)]
+    cached = [CachedRequestData("b", [7], [(0, 5)], 12, 3), CachedRequestData("c", [], [], 3)]
     return SchedulerOutput(
-        [new], cached, {"a": 2, "b": 1, "c": 1}, 4, {"d"}, {"d"}, [(5, 6)]
+        [new], cached, {"a": 2, "b": 3, "c": 1}, 6, {"d"}, {"d"}, [(5, 6)],
+        spec_token_ids={"b": [4, 5]}, num_lookahead_tokens={"b": 2},
     )  # fmt: skip
 
 
 def test_a_step_round_trips_without_its_grammar_and_with_the_sampled_tokens() -> None:
+    """Proposals (and the kept blocks after a rejection) reach every rank in the message."""
     so = _step()
-    msg = decode_step(encode_step(so, ["b", "c"], [11, 12]))
+    msg = decode_step(encode_step(so, ["b", "c"], [[11], [12, 13]]))
     assert msg.so == replace(
         so, scheduled_new_reqs=[replace(so.scheduled_new_reqs[0], grammar=None)]
     )
-    assert (msg.sampled_req_ids, msg.sampled_token_ids) == (["b", "c"], [11, 12])
+    assert (msg.sampled_req_ids, msg.sampled_token_ids) == (["b", "c"], [[11], [12, 13]])
+    assert msg.so.spec_token_ids == {"b": [4, 5]} and msg.so.scheduled_cached_reqs[0] == (
+        CachedRequestData("b", [7], [(0, 5)], 12, 3)
+    )
     assert so.scheduled_new_reqs[0].grammar == "G"  # the engine's own object is untouched
 
 

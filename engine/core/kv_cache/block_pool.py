@@ -90,6 +90,17 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        if block.prev_free is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free += 1
+
     def __iter__(self) -> Iterator[KVBlock]:
         """Head (next to evict) to tail; for tests and debugging."""
         block = self._head.next_free
@@ -166,6 +177,20 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 append(block)
+
+    def free_scratch_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block of contents nobody will read (no hash: the
+        slots of rejected speculative tokens); those reaching 0 go to the free queue's
+        head, reused before any cached block is evicted."""
+        appendleft = self.free_queue.appendleft
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"{block} freed with no references")
+            if block.block_hash is not None:
+                raise ValueError(f"{block} holds a cached prefix; free it with free_blocks")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                appendleft(block)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
         """Register a full block under ``block_hash``. Returns False and changes nothing if

@@ -277,6 +277,29 @@ class KVCacheManager:
                 self.pool.uncache_block(block)
         self.pool.free_blocks(reversed(blocks))
 
+    def truncate(self, request: Request, num_tokens: int) -> int:
+        """Speculative decoding: gives back the table's blocks past the first
+        ceil(num_tokens / block_size) (slots of rejected proposals and of a draft model's
+        lookahead). No copy: those blocks were written only by this request in the step just
+        verified, never registered (they held no known token when allocated); they go to
+        the head of the free queue, so they are reused before any cached block is evicted.
+        Returns the table's new length."""
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            return 0
+        blocks = st.blocks
+        keep = max(-(-num_tokens // self.block_size), st.num_cached, st.num_trusted)
+        if keep < len(blocks):
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free_scratch_blocks(tail)
+        return len(blocks)
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """The length of the request's block table (0 for an unknown id)."""
+        st = self._reqs.get(request_id)
+        return len(st.blocks) if st is not None else 0
+
     def take_block_copies(self) -> list[BlockCopy]:
         """The copy-on-writes recorded since the last call, in order; clears them."""
         copies, self._copies = self._copies, []

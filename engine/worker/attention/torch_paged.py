@@ -41,6 +41,8 @@ class _StepPlan:
     k_pos: torch.Tensor  # [L] key positions 0..L-1
     blocked: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> mask
     split: _Split | None = None  # mixed steps: decode/prefill partition, built on demand
+    # The native kernel's partition: short chunks (speculative verify steps) go row by row.
+    native_split: _Split | None = None
     items: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # native kernel
 
     def blocked_mask(self, window: int | None) -> torch.Tensor:
@@ -176,13 +178,16 @@ class TorchPagedBackend(AttentionBackend):
         """Decode rows in one kernel call reading the cache in place; prefill chunks by SDPA.
 
         The kernel handles one query row at a time, which is right for decode (memory-bound)
-        but wastes SDPA's blocked matmuls on a chunk of many queries (compute-bound)."""
+        but wastes SDPA's blocked matmuls on a chunk of many queries (compute-bound). A
+        chunk of at most `ROW_CHUNK_MAX` tokens (a request verifying speculative proposals)
+        is memory-bound too: its rows join the decode rows, each seeing keys up to its own
+        position, so a verify step of many requests is one kernel call, not one SDPA each."""
         if plan.items is None:
             if plan.token_req is None:
                 rows = torch.arange(md.num_tokens, dtype=torch.long)
                 plan.items = (rows, rows, md.positions[: md.num_tokens].long().contiguous())
             else:
-                split = _split_plan(plan, md)
+                split = _split_plan(plan, md, ROW_CHUNK_MAX)
                 rows = split.decode_tokens
                 plan.items = (rows, split.decode_reqs, md.positions[rows].long().contiguous())
         rows, reqs, pos = plan.items
@@ -195,7 +200,7 @@ class TorchPagedBackend(AttentionBackend):
                 layer.sliding_window,
             )  # fmt: skip
         if plan.token_req is not None:
-            for r, start, end in _split_plan(plan, md).prefills:
+            for r, start, end in _split_plan(plan, md, ROW_CHUNK_MAX).prefills:
                 kv = (k[start:end], v[start:end])
                 out[start:end] = self._attend_chunk(q[start:end], kv_cache, md, layer, r, kv)
         return out
@@ -315,24 +320,37 @@ class TorchPagedBackend(AttentionBackend):
 
 @dataclass
 class _Split:
-    """A mixed step split into its decode requests (batched) and prefill chunks (one each)."""
+    """A mixed step split into its decode rows (batched) and prefill chunks (one each)."""
 
-    decode_reqs: torch.Tensor  # [Rd] request indices with one query token
-    decode_tokens: torch.Tensor  # [Rd] their token rows
+    decode_reqs: torch.Tensor  # [Rd] each decode row's request
+    decode_tokens: torch.Tensor  # [Rd] the decode rows (token rows of the step)
     prefills: list[tuple[int, int, int]]  # (request, first token row, end row)
 
 
-def _split_plan(plan: _StepPlan, md: AttentionMetadata) -> _Split:
-    if plan.split is None:
-        starts = md.query_start_loc_cpu
-        dec, pre = [], []
-        for r in range(plan.num_reqs):
-            if starts[r + 1] - starts[r] == 1:
-                dec.append(r)
-            else:
-                pre.append((r, starts[r], starts[r + 1]))
-        device = md.block_tables.device
-        dec_t = torch.tensor(dec, dtype=torch.long, device=device)
-        rows = torch.tensor([starts[r] for r in dec], dtype=torch.long, device=device)
-        plan.split = _Split(dec_t, rows, pre)
-    return plan.split
+# Chunks of at most this many tokens run row by row in the native kernel (see _attend_native).
+ROW_CHUNK_MAX = 17
+
+
+def _split_plan(plan: _StepPlan, md: AttentionMetadata, row_chunk_max: int = 1) -> _Split:
+    """Requests with at most `row_chunk_max` query tokens as rows (each token one row with
+    its request), the others as prefill chunks; built once per step and partition."""
+    cached = plan.split if row_chunk_max == 1 else plan.native_split
+    if cached is not None:
+        return cached
+    starts = md.query_start_loc_cpu
+    dec_reqs, dec_rows, pre = [], [], []
+    for r in range(plan.num_reqs):
+        if starts[r + 1] - starts[r] <= row_chunk_max:
+            dec_reqs.extend([r] * (starts[r + 1] - starts[r]))
+            dec_rows.extend(range(starts[r], starts[r + 1]))
+        else:
+            pre.append((r, starts[r], starts[r + 1]))
+    device = md.block_tables.device
+    dec_t = torch.tensor(dec_reqs, dtype=torch.long, device=device)
+    rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+    split = _Split(dec_t, rows, pre)
+    if row_chunk_max == 1:
+        plan.split = split
+    else:
+        plan.native_split = split
+    return split

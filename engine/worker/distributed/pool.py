@@ -94,7 +94,8 @@ class WorkerPool:
         self._proc_lock = threading.RLock()
         self._closing = False
         self._step_started: float | None = None  # monotonic start of the step in flight
-        self._sampled: tuple[list[str], list[int]] = ([], [])  # rank 0's last sampled tokens
+        # Rank 0's last sampled tokens: request ids and each one's new tokens.
+        self._sampled: tuple[list[str], list[list[int]]] = ([], [])
 
     # ---- start-up -------------------------------------------------------------------------
     @classmethod
@@ -226,7 +227,7 @@ class WorkerPool:
             raise self._failed_step(e) from e
         finally:
             self._step_started = None
-        self._sampled = (out.req_ids, [t[0] for t in out.sampled_token_ids])
+        self._sampled = (out.req_ids, out.sampled_token_ids)
         return out
 
     def _failed_step(self, exc: Exception) -> WorkerFailedError:

@@ -50,12 +50,13 @@ _WRITER_POLL_S = 50e-6
 @dataclass
 class StepMessage:
     so: SchedulerOutput
-    # What rank 0 sampled in the step before `so`: request ids and their new token.
+    # What rank 0 sampled in the step before `so`: request ids and their new tokens (one,
+    # or several when proposals were accepted).
     sampled_req_ids: list[str]
-    sampled_token_ids: list[int]
+    sampled_token_ids: list[list[int]]
 
 
-def encode_step(so: SchedulerOutput, sampled_req_ids: list[str], sampled: list[int]) -> bytes:
+def encode_step(so: SchedulerOutput, sampled_req_ids: list[str], sampled: list[list[int]]) -> bytes:
     cached = so.scheduled_cached_reqs
     new = [
         r if r.grammar is None else dataclasses.replace(r, grammar=None)
@@ -67,11 +68,14 @@ def encode_step(so: SchedulerOutput, sampled_req_ids: list[str], sampled: list[i
         [c.new_block_ids for c in cached],
         [c.replaced_block_ids for c in cached],
         [c.num_computed_tokens for c in cached],
+        [c.num_blocks_kept for c in cached],
         so.num_scheduled_tokens,
         so.total_num_scheduled_tokens,
         so.finished_req_ids,
         so.preempted_req_ids,
         so.block_copies,
+        so.spec_token_ids,
+        so.num_lookahead_tokens,
         sampled_req_ids,
         sampled,
     )
@@ -80,13 +84,16 @@ def encode_step(so: SchedulerOutput, sampled_req_ids: list[str], sampled: list[i
 
 def decode_step(data: bytes) -> StepMessage:
     (
-        new, ids, new_blocks, replaced, computed, scheduled, total, finished, preempted,
-        copies, sampled_ids, sampled,
+        new, ids, new_blocks, replaced, computed, kept, scheduled, total, finished, preempted,
+        copies, spec, lookahead, sampled_ids, sampled,
     ) = pickle.loads(data)  # fmt: skip
     cached = [
-        CachedRequestData(*row) for row in zip(ids, new_blocks, replaced, computed, strict=True)
+        CachedRequestData(*row)
+        for row in zip(ids, new_blocks, replaced, computed, kept, strict=True)
     ]
-    so = SchedulerOutput(new, cached, scheduled, total, finished, preempted, copies)
+    so = SchedulerOutput(
+        new, cached, scheduled, total, finished, preempted, copies, spec, lookahead
+    )
     return StepMessage(so, sampled_ids, sampled)
 
 

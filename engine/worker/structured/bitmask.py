@@ -32,17 +32,29 @@ def fill_bitmask(
     vocab_size: int,
     llg_eos: int,
     eos_token_ids: Sequence[int],
+    drafts: Sequence[Sequence[int]] | None = None,
 ) -> np.ndarray:
     """[num_rows, W] int32: each (row, matcher)'s allowed tokens in its row; other rows
-    all ones (they are not applied)."""
+    all ones (they are not applied). `drafts` (speculative decoding, parallel to
+    `matchers`): row + 1 + j gets the mask after the matcher took drafts[0..j] (llguidance
+    advances a copy of the state and rolls it back; rows past a refused draft stay ones)."""
     words = bitmask_words(vocab_size)
     mask = np.full((num_rows, words), -1, dtype=np.int32)
     if matchers:
-        pairs = [(m, r) for r, m in matchers]
-        executor.unsafe_compute_mask_ptr(pairs, mask.ctypes.data, words * 4, num_rows)
+        drafts = drafts if drafts is not None else [()] * len(matchers)
+        pairs = [(m, r) for (r, m), d in zip(matchers, drafts, strict=True) if not d]
+        triples = [(m, r, list(d)) for (r, m), d in zip(matchers, drafts, strict=True) if d]
+        if pairs:
+            executor.unsafe_compute_mask_ptr(pairs, mask.ctypes.data, words * 4, num_rows)
+        if triples:
+            executor.unsafe_compute_mask_ptr_with_draft_token(
+                triples, mask.ctypes.data, words * 4, num_rows
+            )
+        row_ids = [r + j for (r, _), d in zip(matchers, drafts, strict=True)
+                   for j in range(len(d) + 1)]  # fmt: skip
         others = [t for t in eos_token_ids if t != llg_eos and t < vocab_size]
         if others:
-            rows = np.fromiter((r for r, _ in matchers), np.int64, len(matchers))
+            rows = np.asarray(row_ids, dtype=np.int64)
             u = mask.view(np.uint32)
             accepting = (u[rows, llg_eos // 32] >> np.uint32(llg_eos % 32)) & np.uint32(1)
             for t in others:

@@ -30,6 +30,13 @@ that last token, copying the shared partial block first.
 
 LoRA: with `max_loras` set, the running requests use at most that many distinct adapters
 (see adapter_slots.py).
+
+KV tier (`kv_tier`, engine/core/kv_tier): a waiting request whose prefix continues in a tier
+past the pool starts its loads and waits in the "loading" state, keeping its place in the
+queue but skipped until the loads are reported (`_waits_for_kv`); it then admits like any
+request, its loaded blocks being ordinary prefix hits. The tier's moves go out in the
+step's `SchedulerOutput` and its results come back in `RunnerOutput.kv_tier`; `_finish`
+releases what a request's loads pinned, however it leaves (abort, deadline, error).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from engine.config import SchedulerConfig
 from engine.core import admission
 from engine.core.adapter_slots import AdapterSlots, count_adapters, uses_adapter
 from engine.core.kv_cache.manager import KVCacheManager
+from engine.core.kv_tier.manager import KVTierManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_queue
 from engine.core.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
@@ -80,15 +88,18 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         max_loras: int | None = None,
+        kv_tier: KVTierManager | None = None,
     ):
         """`max_loras`: distinct LoRA adapters the running requests may use at once (the
-        runner's slots); None when LoRA is off."""
+        runner's slots); None when LoRA is off. `kv_tier`: the KV tiers behind the pool
+        (over this `kv_manager`), or None."""
         if max_model_len < 2:
             raise ValueError("max_model_len: must be >= 2 (one prompt and one output token)")
         self.config = config
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
         self.max_loras = max_loras
+        self.kv_tier = kv_tier
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = make_queue(config.policy)
@@ -111,6 +122,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_kv_moves(self) -> bool:
+        """KV tier moves not yet handed out or reported: steps must go on (empty ones if
+        need be) until they settle, since held blocks return to the pool only in a step."""
+        return self.kv_tier is not None and self.kv_tier.busy
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -258,7 +274,11 @@ class Scheduler:
         while waiting and step.budget > 0 and len(running) < max_seqs:
             req = waiting.peek()
             leader = self._fork_leader(req)
-            if leader is False or not adapters.admits(req):
+            if (
+                leader is False
+                or not adapters.admits(req)
+                or (leader is None and self._waits_for_kv(req))
+            ):
                 skipped.append(waiting.pop())
                 continue
             if leader is None:
@@ -298,6 +318,12 @@ class Scheduler:
         # Not started yet: it is ahead in the queue or will be soon; share with it then.
         return False if leader.status is _WAITING else None
 
+    def _waits_for_kv(self, req: Request) -> bool:
+        """True while `req` is in the loading state: its loads are in flight, or its prefix
+        continues in a KV tier and they start now."""
+        tier = self.kv_tier
+        return tier is not None and (tier.is_loading(req) or tier.try_load(req))
+
     def _cap(self, req: Request, start: int, budget: int) -> int:
         """Tokens to schedule for `req` from `start`, within the budget and the model length."""
         return min(req.num_tokens - start, budget, self.max_model_len - start)
@@ -313,7 +339,8 @@ class Scheduler:
         n = self._cap(req, num_cached, budget)
         if kv.allocate_slots(req, n, cached_blocks or None) is None:
             return num_cached, 0
-        kv.count_prefix_query(req, num_cached)
+        from_tier = 0 if self.kv_tier is None else self.kv_tier.on_admitted(req, num_cached)
+        kv.count_prefix_query(req, num_cached - from_tier)
         return num_cached, n
 
     def _allocate_fork(self, req: Request, leader: Request, budget: int) -> tuple[int, int]:
@@ -370,7 +397,7 @@ class Scheduler:
         finished = self._left_batch | step.preempted
         self._left_batch = set()
         self._in_flight = num_scheduled
-        return SchedulerOutput(
+        so = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -379,6 +406,9 @@ class Scheduler:
             preempted_req_ids=step.preempted,
             block_copies=[(c.src, c.dst) for c in copies],
         )
+        if self.kv_tier is not None:
+            so.kv_saves, so.kv_loads, so.kv_deletes = self.kv_tier.take_moves()
+        return so
 
     # ---- results ---------------------------------------------------------------------------
     def update_from_output(
@@ -393,6 +423,8 @@ class Scheduler:
         """
         now = time.monotonic()
         self._in_flight = {}
+        if runner_output.kv_tier is not None and self.kv_tier is not None:
+            self.kv_tier.apply(runner_output.kv_tier)
         requests, max_len = self.requests, self.max_model_len
         updated: list[Request] = []
         any_finished = False
@@ -443,6 +475,8 @@ class Scheduler:
         # cached prefix. (`_in_flight` is the runner's dict too: read it, never mutate it.)
         req.num_computed_tokens -= self._in_flight.get(req.request_id, 0)
         self.kv_manager.free(req)
+        if self.kv_tier is not None:  # loading or not: what its loads pinned goes
+            self.kv_tier.on_finished(req)
         del self.requests[req.request_id]
         if in_batch:
             self._left_batch.add(req.request_id)

@@ -301,8 +301,10 @@ class AsyncEngine:
         """The adapters loaded (those being removed are left out)."""
         return self.engine.list_loras()
 
-    async def shutdown(self, grace_s: float = 0.0) -> None:
-        """Stops accepting, lets in-flight requests finish for up to `grace_s`, aborts the rest."""
+    async def shutdown(self, grace_s: float = 0.0, flush_s: float = 0.0) -> None:
+        """Stops accepting, lets in-flight requests finish for up to `grace_s`, aborts the rest.
+        `flush_s`: then up to that long writing the KV pool's cached blocks to the disk tier
+        (warm restart; skipped when the engine is dead or hung)."""
         self._accepting = False
         deadline = time.monotonic() + grace_s
         while self.num_in_flight and self.is_healthy and time.monotonic() < deadline:
@@ -314,6 +316,12 @@ class AsyncEngine:
             self._cond.notify()
         # A hung step never returns: do not wait for it (the thread is a daemon).
         await asyncio.to_thread(self._thread.join, 1.0 if self._hung_for() else 30.0)
+        stopped = self._dead is None and not self._thread.is_alive()
+        if flush_s > 0 and stopped and self.engine.fatal_error is None:
+            try:
+                await asyncio.to_thread(self.engine.flush_kv_tier, flush_s)
+            except Exception:
+                logger.exception("kv tier flush failed")
         await asyncio.to_thread(self.engine.close)  # e.g. the tensor-parallel workers
         logger.info("engine loop stopped", extra={"fields": {"aborted": left}})
 

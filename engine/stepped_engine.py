@@ -88,3 +88,8 @@ class SteppedEngine(Protocol):
     def close(self) -> None:
         """Releases what outlives a step (tensor-parallel workers); after the loop stopped."""
         ...
+
+    def flush_kv_tier(self, timeout_s: float) -> int:
+        """Drain: writes the pool's cached blocks to the KV disk tier for at most
+        `timeout_s` (0 without one); after the loop stopped, before `close`."""
+        ...

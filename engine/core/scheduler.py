@@ -194,6 +194,9 @@ class Scheduler:
                 i += 1
                 continue
             blocks = allocate(req, n)
+            if blocks is None and self.kv_tier is not None and self.kv_tier.held_blocks_return():
+                i += 1  # blocks held for a tier's copy are back next step: wait, not preempt
+                continue
             if blocks is None:
                 step.budget = budget
                 blocks, i = self._preempt_until_fits(req, i, n, step, now)

@@ -219,6 +219,10 @@ class FakeLLMEngine:
     def close(self) -> None:
         self.closed = True
 
+    def flush_kv_tier(self, timeout_s: float) -> int:
+        self.flushed_for = timeout_s
+        return 0
+
     def stats(self) -> FakeStats:
         s = self._stats
         s.num_running, s.num_waiting = len(self.running), len(self.waiting)

@@ -10,18 +10,23 @@ Saving (on free). When a cached block's last reference goes, the pool asks `_hol
 if a tier lacks the block, the save is reserved in the tier's index (evicting LRU entries,
 whose files are deleted), a `KVMove` is queued for the step's `SchedulerOutput.kv_saves`,
 and the block stays out of the free queue (held) until the worker reports it copied, since
-its next owner would otherwise overwrite it in the very step that evicts it. At most
-`max_held_blocks` are held at once; past that a freed block is not saved (counted).
+its next owner would otherwise overwrite it in the very step that evicts it. A hold lasts
+one step: the worker's copy is a memcpy into a host slot or a staging buffer (it drops the
+save rather than wait for a slow disk), and a running request that needs a block while some
+are held waits that step instead of preempting another (`held_blocks_return`).
+`max_held_blocks` bounds the holds all the same; past it a freed block is not saved.
 
 Loading (the "loading" state). A waiting request whose pool prefix stops before its tier
 prefix gets `try_load`: the pool prefix is pinned, new blocks are taken for the tier hits
 and `KVMove`s queued for `kv_loads`. The request keeps its place in the waiting queue but is
 skipped (`is_loading`) until every load is reported, so it never holds a step. A loaded
-block is registered in the pool's cache under its hash, so the request's ordinary prefix
-lookup then finds it; a failed or corrupt load registers nothing and the request computes
-those tokens. `on_admitted` (the request got its slots) and `on_finished` (abort, deadline,
-error: the one hook for every way out) release the pins; a block still being written by the
-worker when its request leaves is released when its load is reported.
+block is registered in the pool's cache under its hash, and once the last load is in the
+pins go: the blocks are then ordinary cached free blocks at the free queue's tail (evicted
+last), which the request's prefix lookup hits like any other, so two requests that loaded
+at once can never hold each other's room. A failed or corrupt load registers nothing and
+the request computes those tokens. `on_finished` (abort, deadline, error: the one hook for
+every way out) releases the pins of a request still loading; a block the worker is still
+writing is released when its load is reported. `on_admitted` counts what the tiers served.
 
 Moves leave through `take_moves` (the scheduler's output) and results come back through
 `apply` (the runner's output): the core never waits for the worker.
@@ -60,7 +65,7 @@ class TierSizes:
     host_block_bytes: int = 0  # bytes of one block there
     disk_capacity_bytes: int = 0  # bytes of files the disk tier may hold
     disk_file_bytes: int = 0  # bytes of one block's file (header included)
-    max_held_blocks: int = 0  # blocks held for saving at once; 0: a quarter of the pool
+    max_held_blocks: int = 0  # blocks held for saving at once; 0: the whole pool
 
 
 @dataclass
@@ -72,7 +77,7 @@ class KVTierStats:
     bytes_written: dict[str, int]
     bytes_read: dict[str, int]
     load_failures: int  # blocks whose load failed (missing, corrupt, unreadable)
-    saves_skipped: int  # freed blocks not saved: too many held, or no room in any tier
+    saves_skipped: int  # freed blocks not saved: too many held, no room, a failed store
     usage_bytes: dict[str, int]
     capacity_bytes: dict[str, int]
     blocks_held: int  # blocks held out of the free queue for saving, now
@@ -125,7 +130,7 @@ class KVTierManager:
             )
         if sizes.disk_capacity_bytes > 0:
             self.disk = TierIndex(DISK_TIER, sizes.disk_capacity_bytes)
-        self.max_held = sizes.max_held_blocks or max(1, kv.num_blocks // 4)
+        self.max_held = sizes.max_held_blocks or kv.num_blocks
         self._saves: list[KVMove] = []
         self._loads: list[KVMove] = []
         self._deletes: list[BlockHash] = []
@@ -160,6 +165,11 @@ class KVTierManager:
             self._saves or self._loads or self._deletes or self._held or self._loading
             or self._writes[HOST_TIER] or self._writes[DISK_TIER]
         )  # fmt: skip
+
+    def held_blocks_return(self) -> bool:
+        """Blocks are held for their copy now and come back to the free queue within a
+        step or so: a running request short of a block had better wait than preempt."""
+        return self.pool.num_held_for_save > 0
 
     def is_loading(self, request: Request) -> bool:
         """The request waits for its loads (the scheduler skips it, keeping its place)."""
@@ -281,7 +291,7 @@ class KVTierManager:
     def on_admitted(self, request: Request, num_computed: int) -> int:
         """The request got its slots with `num_computed` tokens from the pool's prefix
         cache: counts the tier's share (also on the request, at its first admission) and
-        releases its load's pins. Returns the tokens that came from a tier."""
+        forgets its load. Returns the tokens that came from a tier."""
         job = self._jobs.pop(request.request_id, None)
         from_tier = {HOST_TIER: 0, DISK_TIER: 0}
         if job is not None:
@@ -290,7 +300,6 @@ class KVTierManager:
             for k, tier in enumerate(job.tiers):
                 if start + k < hit_blocks and job.state[k] == _OK:
                     from_tier[tier] += self.block_size
-            self.pool.free_blocks(reversed(job.prefix + job.targets))
         total = from_tier[HOST_TIER] + from_tier[DISK_TIER]
         self._query_tokens += request.num_tokens - (num_computed - total)
         for tier, n in from_tier.items():
@@ -303,7 +312,7 @@ class KVTierManager:
         """The request left in any state (finished, aborted, deadline, error): its pins go.
         Blocks still being filled by the worker are released when their load is reported."""
         job = self._jobs.pop(request.request_id, None)
-        if job is None:
+        if job is None or job.pending == 0:  # none, or its pins went with its last load
             return
         job.gone = True
         done = [b for k, b in enumerate(job.targets) if job.state[k] != _PENDING]
@@ -345,6 +354,7 @@ class KVTierManager:
             self._written[tier] += self._entry_bytes(tier)
         elif not ok:
             index.drop(h)
+            self._saves_skipped += 1
         if tier == DISK_TIER and h in self._host_for_disk and self.host is not None:
             self._host_for_disk.discard(h)
             self.host.unpin(h)
@@ -380,6 +390,8 @@ class KVTierManager:
             job.request.times.kv_load_finished = now
             started = job.request.times.kv_load_started or now
             self._observe_latency(now - started)
+            # The pins go: cached free blocks now, the newest at the free queue's tail.
+            self.pool.free_blocks(reversed(job.prefix + job.targets))
 
     def _merge_scan(self, added: list[tuple[bytes, int, float]], removed: list[bytes]) -> None:
         """Files another replica wrote or deleted (a shared directory): the index follows,

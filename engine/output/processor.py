@@ -86,6 +86,9 @@ class RequestGroup:
             finished_time=max((t.finished or 0.0 for t in times), default=None) or None,
             preempted_times=sorted(p for t in times for p in t.preempted),
             num_cached_tokens=samples[0].num_cached_tokens,
+            tier_cached_tokens=dict(samples[0].tier_cached_tokens),
+            kv_load_start_time=times[0].kv_load_started,
+            kv_load_end_time=times[0].kv_load_finished,
         )
 
 

@@ -45,6 +45,11 @@ class RequestMetrics:
     finished_time: float | None = None
     preempted_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Of num_cached_tokens, those loaded from each KV tier ("host", "disk"), and when the
+    # loads were issued and done (the request waited in the loading state meanwhile).
+    tier_cached_tokens: dict[str, int] = field(default_factory=dict)
+    kv_load_start_time: float | None = None
+    kv_load_end_time: float | None = None
 
 
 @dataclass

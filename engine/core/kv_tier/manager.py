@@ -86,6 +86,7 @@ class KVTierStats:
     # more for +Inf), their sum and count.
     load_latency_counts: list[int] = field(default_factory=list)
     load_latency_sum: float = 0.0
+    load_latency_bounds: tuple[float, ...] = LOAD_LATENCY_BUCKETS
     disk_error: str | None = None
 
 

@@ -120,6 +120,7 @@ class AsyncEngine:
         self.num_steps = 0
         self.num_failed_steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        engine.set_wakeup(self._wake)  # background work (KV tier rescans) wakes the loop
         self._thread.start()
 
     @classmethod
@@ -353,6 +354,10 @@ class AsyncEngine:
         except BaseException as e:  # a bug in the loop itself: never leave callers hanging
             logger.exception("engine loop crashed")
             self._die(f"engine loop crashed: {type(e).__name__}: {e}")
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     def _has_work(self) -> bool:
         return self._dead is None and self.engine.has_unfinished_requests()

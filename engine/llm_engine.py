@@ -361,7 +361,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while a request is held, or KV tier moves are in flight: their blocks come
         back to the pool, and the tier's index learns what was stored, only in a step."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_kv_moves()
+        if self.scheduler.has_unfinished_requests() or self.scheduler.has_kv_moves():
+            return True
+        return self.kv_tier_worker is not None and self.kv_tier_worker.has_report()
+
+    def set_wakeup(self, wake) -> None:
+        """`wake()` is called from another thread when background work (a KV tier rescan
+        that found other replicas' files) waits for a step; the engine loop then steps."""
+        if self.kv_tier_worker is not None:
+            self.kv_tier_worker.on_scan = wake
 
     # ---- stepping -------------------------------------------------------------------------
     def has_request(self, request_id: str) -> bool:
@@ -371,8 +379,12 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Runs one step; returns what each request that progressed gained in it."""
         self._step_output = None
-        so = self._step_output = self.scheduler.schedule()
         tier = self.kv_tier_worker
+        if tier is not None:  # what finished since the last step, before the lookups
+            report = tier.poll()
+            if report is not None:
+                self.scheduler.apply_kv_report(report)
+        so = self._step_output = self.scheduler.schedule()
         if tier is not None:  # off the engine thread: returns at once
             tier.submit(so.kv_saves, so.kv_loads, so.kv_deletes)
         if self.tp_workers is None:

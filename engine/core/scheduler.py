@@ -52,7 +52,13 @@ from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.kv_tier.manager import KVTierManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_queue
-from engine.core.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.core.step_io import (
+    CachedRequestData,
+    KVTierReport,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
 from engine.core.stop import check_stop
 
 __all__ = ["Scheduler"]
@@ -122,6 +128,12 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def apply_kv_report(self, report: KVTierReport) -> None:
+        """Takes in KV tier results that arrived between steps (the engine polls before
+        `schedule`, so lookups see the freshest index and copied blocks are free again)."""
+        if self.kv_tier is not None:
+            self.kv_tier.apply(report)
 
     def has_kv_moves(self) -> bool:
         """KV tier moves not yet handed out or reported: steps must go on (empty ones if

@@ -219,6 +219,9 @@ class FakeLLMEngine:
     def close(self) -> None:
         self.closed = True
 
+    def set_wakeup(self, wake) -> None:
+        self.wake = wake
+
     def flush_kv_tier(self, timeout_s: float) -> int:
         self.flushed_for = timeout_s
         return 0

@@ -83,6 +83,9 @@ class KVTierWorker:
         self._read_q: queue.SimpleQueue = queue.SimpleQueue()
         self._staging: StagingBuffers | None = None
         self._threads: list[threading.Thread] = []
+        # Called (on the writer thread) when a rescan found changes while nothing else may
+        # be stepping the engine: its owner wakes the engine loop to take the report in.
+        self.on_scan: Callable[[], None] | None = None
         pin = copier.cuda
         if disk is not None:
             per_block = disk.payload_bytes
@@ -125,6 +128,11 @@ class KVTierWorker:
                 self._cond.wait(wait_s)
             report, self._report = self._report, KVTierReport()
         return report if report else None
+
+    def has_report(self) -> bool:
+        """Something finished that the core has not taken in yet."""
+        with self._lock:
+            return bool(self._report)
 
     @property
     def outstanding(self) -> int:
@@ -314,6 +322,8 @@ class KVTierWorker:
                 self._report.scan_added.extend(added)
                 self._report.scan_removed.extend(removed)
                 self._cond.notify_all()
+            if self.on_scan is not None:
+                self.on_scan()
 
     # ---- reader thread -------------------------------------------------------------------
     def _read_loop(self) -> None:

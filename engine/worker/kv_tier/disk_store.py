@@ -125,6 +125,9 @@ class DiskStore:
         self.tmp = self.dir / "tmp"
         self.ops = ops or FileOps()
         self.direct_io = direct_io
+        # Temporary names must never collide across replicas on a shared volume, whose
+        # processes may well have the same pid (each container's own pid 1).
+        self._nonce = os.urandom(8).hex()
         self._seq = 0
 
     # ---- start-up ------------------------------------------------------------------------
@@ -147,7 +150,7 @@ class DiskStore:
 
     def probe(self) -> None:
         """Write, fsync, rename over an existing file, read back: what the tier relies on."""
-        stem = str(self.tmp / f"probe-{os.getpid()}-{time.monotonic_ns()}")
+        stem = str(self.tmp / f"probe-{self._nonce}-{time.monotonic_ns()}")
         data = os.urandom(4096)
         a, b = stem + ".a", stem + ".b"
         try:
@@ -170,7 +173,7 @@ class DiskStore:
                     pass
 
     def _direct_works(self) -> bool:
-        path = str(self.tmp / f"direct-{os.getpid()}-{time.monotonic_ns()}")
+        path = str(self.tmp / f"direct-{self._nonce}-{time.monotonic_ns()}")
         try:
             self.ops.write_new(path, [b"\0" * _ALIGN])
             buf = mmap.mmap(-1, _ALIGN)
@@ -197,7 +200,7 @@ class DiskStore:
         text = json.dumps(self.fields, sort_keys=True, indent=1) + "\n"
         if path.exists() and path.read_text() == text:
             return
-        tmp = str(self.tmp / f"fingerprint-{os.getpid()}-{time.monotonic_ns()}")
+        tmp = str(self.tmp / f"fingerprint-{self._nonce}-{time.monotonic_ns()}")
         self.ops.write_new(tmp, [text.encode()])
         self.ops.replace(tmp, str(path))
 
@@ -230,7 +233,7 @@ class DiskStore:
         """Writes the block's file atomically (OSError from the file system as it comes)."""
         final = self.path(block_hash)
         self._seq += 1
-        tmp = str(self.tmp / f"{block_hash.hex()}.{os.getpid()}.{self._seq}.tmp")
+        tmp = str(self.tmp / f"{block_hash.hex()}.{self._nonce}.{self._seq}.tmp")
         try:
             self.ops.write_new(tmp, [header, payload])
             try:

@@ -55,6 +55,7 @@ class FakeStats:
     generation_tokens_total: int = 0
     lora_running: dict[str, int] = field(default_factory=dict)
     lora_waiting: dict[str, int] = field(default_factory=dict)
+    kv_tier: object | None = None
 
 
 @dataclass

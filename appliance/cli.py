@@ -143,7 +143,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # A dead or hung engine finishes nothing: waiting for its calls only delays exit.
             return cfg.server.shutdown_grace_s if aeng.is_healthy else 0.0
 
+        began: list[float] = []  # when the drain began (SIGTERM)
+
         def stop_grpc() -> None:
+            began.append(time.monotonic())
             # Refuse new gRPC calls at once; running ones get the same grace as HTTP.
             if grpc_server is not None:
                 asyncio.get_running_loop().create_task(grpc_server.stop(grace()))
@@ -153,7 +156,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             if grpc_server is not None:
                 await grpc_server.stop(grace())
-            await aeng.shutdown(grace_s=0)
+            # The KV disk tier gets what is left of the grace (warm restart).
+            left = cfg.server.shutdown_grace_s - (time.monotonic() - began[0]) if began else 0.0
+            await aeng.shutdown(grace_s=0, flush_s=max(0.0, left) if aeng.is_healthy else 0.0)
             if tracing is not None:
                 tracing.shutdown()  # flush spans
 

@@ -33,8 +33,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from appliance.adapters import AdapterRegistry
 from engine.async_engine import AsyncEngine
@@ -42,7 +48,7 @@ from engine.request_stream import FinishedRequest
 from engine.worker.status import AcceleratorStatus
 
 if TYPE_CHECKING:
-    from engine.llm_engine import EngineStats
+    from engine.llm_engine import EngineStats, KVTierStats
 
 PREFIX = "appliance"
 
@@ -95,6 +101,8 @@ class _EngineCollector(Collector):
             yield from _lora_metrics(s, self.adapters)
         if s.spec_decode is not None:
             yield from _spec_decode_metrics(s, self.aeng.model_name)
+        if s.kv_tier is not None:
+            yield from kv_tier_metrics(s.kv_tier, self.aeng.model_name)
 
 
 def _spec_decode_metrics(s: EngineStats, model: str) -> Iterator[Metric]:
@@ -156,6 +164,57 @@ def _lora_metrics(s: EngineStats, adapters: AdapterRegistry) -> Iterator[Metric]
     waiting = ",".join(sorted(n for n, c in s.lora_waiting.items() if c))
     info.add_metric([running, waiting, str(adapters.max_loras)], time.time())
     yield info
+
+
+def kv_tier_metrics(t: KVTierStats, model: str) -> Iterator[Metric]:
+    """The KV tiers (docs/kv_tiers.md) in vLLM's style: `vllm:` names, `model_name` and
+    `tier` ("host", "disk") labels; counters, usage gauges, the load latency histogram."""
+    per_tier = (
+        ("kv_tier_hit_tokens", "Prompt tokens admitted from a KV tier.", t.hit_tokens, True),
+        ("kv_tier_bytes_written", "Bytes stored into a KV tier.", t.bytes_written, True),
+        ("kv_tier_bytes_read", "Bytes loaded from a KV tier.", t.bytes_read, True),
+        ("kv_tier_usage_bytes", "Bytes a KV tier holds.", t.usage_bytes, False),
+        ("kv_tier_capacity_bytes", "Bytes a KV tier may hold.", t.capacity_bytes, False),
+    )
+    for name, doc, values, counter in per_tier:
+        family_cls = CounterMetricFamily if counter else GaugeMetricFamily
+        f = family_cls(f"vllm:{name}", doc, labels=["model_name", "tier"])
+        for tier, v in sorted(values.items()):
+            f.add_metric([model, tier], v)
+        yield f
+    perc = GaugeMetricFamily(
+        "vllm:kv_tier_usage_perc",
+        "KV tier usage as a fraction, 0..1.",
+        labels=["model_name", "tier"],
+    )
+    for tier, used in sorted(t.usage_bytes.items()):
+        perc.add_metric([model, tier], used / max(1, t.capacity_bytes.get(tier, 1)))
+    yield perc
+    singles = (
+        (CounterMetricFamily, "kv_tier_query_tokens", "Prompt tokens admitted the pool lacked.", t.query_tokens),
+        (CounterMetricFamily, "kv_tier_load_failures", "Blocks whose tier load failed (computed instead).", t.load_failures),
+        (CounterMetricFamily, "kv_tier_saves_skipped", "Freed blocks not saved to a tier.", t.saves_skipped),
+        (GaugeMetricFamily, "kv_tier_requests_loading", "Requests waiting for their KV tier loads.", t.requests_loading),
+        (GaugeMetricFamily, "kv_tier_blocks_held", "KV blocks held out of the pool for saving.", t.blocks_held),
+        (GaugeMetricFamily, "kv_tier_disk_failed", "1 once the disk tier was switched off by an I/O error.", int(t.disk_error is not None)),
+    )  # fmt: skip
+    for family_cls, name, doc, value in singles:
+        f = family_cls(f"vllm:{name}", doc, labels=["model_name"])
+        f.add_metric([model], value)
+        yield f
+    hist = HistogramMetricFamily(
+        "vllm:kv_tier_load_latency_seconds",
+        "Seconds from issuing a request's KV tier loads to the last one done.",
+        labels=["model_name"],
+    )
+    cumulative, buckets = 0, []
+    for bound, count in zip(
+        (*t.load_latency_bounds, float("inf")), t.load_latency_counts, strict=True
+    ):
+        cumulative += count
+        buckets.append((floatToGoString(bound), cumulative))
+    hist.add_metric([model], buckets, t.load_latency_sum)
+    yield hist
 
 
 def _vllm_gauges(running: int, waiting: int, kv_usage: float, model: str) -> Iterator[Metric]:

@@ -189,6 +189,10 @@ def record_request_span(
             span.add_event("first_token", timestamp=tracing.epoch_ns(metrics.first_token_time))
         for t in metrics.preempted_times:
             span.add_event("preempted", timestamp=tracing.epoch_ns(t))
+        if metrics.kv_load_start_time is not None:  # the loading state (KV tiers)
+            span.add_event("kv_load_start", timestamp=tracing.epoch_ns(metrics.kv_load_start_time))
+        if metrics.kv_load_end_time is not None:
+            span.add_event("kv_load_end", timestamp=tracing.epoch_ns(metrics.kv_load_end_time))
     error = error or (output.error if output is not None else None)
     if error:
         span.set_status(Status(StatusCode.ERROR, error))
@@ -235,6 +239,12 @@ def request_attributes(
     if m is None:
         return attrs
     attrs["gen_ai.usage.cache_read.input_tokens"] = int(m.num_cached_tokens)
+    # Where those cached tokens came from: the KV pool, or a KV tier behind it.
+    from_tiers = 0
+    for tier, n in sorted(m.tier_cached_tokens.items()):
+        attrs[f"appliance.kv_cache.{tier}_tier_tokens"] = int(n)
+        from_tiers += n
+    attrs["appliance.kv_cache.pool_tokens"] = int(m.num_cached_tokens - from_tiers)
     attrs["appliance.request.num_preemptions"] = len(m.preempted_times)
     if m.first_scheduled_time is not None:
         attrs["gen_ai.latency.time_in_queue"] = m.first_scheduled_time - m.arrival_time

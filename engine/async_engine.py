@@ -119,6 +119,7 @@ class AsyncEngine:
         self.num_steps = 0
         self.num_failed_steps = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        engine.set_wakeup(self._wake)  # background work (KV tier rescans) wakes the loop
         self._thread.start()
 
     @classmethod
@@ -300,8 +301,10 @@ class AsyncEngine:
         """The adapters loaded (those being removed are left out)."""
         return self.engine.list_loras()
 
-    async def shutdown(self, grace_s: float = 0.0) -> None:
-        """Stops accepting, lets in-flight requests finish for up to `grace_s`, aborts the rest."""
+    async def shutdown(self, grace_s: float = 0.0, flush_s: float = 0.0) -> None:
+        """Stops accepting, lets in-flight requests finish for up to `grace_s`, aborts the rest.
+        `flush_s`: then up to that long writing the KV pool's cached blocks to the disk tier
+        (warm restart; skipped when the engine is dead or hung)."""
         self._accepting = False
         deadline = time.monotonic() + grace_s
         while self.num_in_flight and self.is_healthy and time.monotonic() < deadline:
@@ -313,6 +316,12 @@ class AsyncEngine:
             self._cond.notify()
         # A hung step never returns: do not wait for it (the thread is a daemon).
         await asyncio.to_thread(self._thread.join, 1.0 if self._hung_for() else 30.0)
+        stopped = self._dead is None and not self._thread.is_alive()
+        if flush_s > 0 and stopped and self.engine.fatal_error is None:
+            try:
+                await asyncio.to_thread(self.engine.flush_kv_tier, flush_s)
+            except Exception:
+                logger.exception("kv tier flush failed")
         await asyncio.to_thread(self.engine.close)  # e.g. the tensor-parallel workers
         logger.info("engine loop stopped", extra={"fields": {"aborted": left}})
 
@@ -344,6 +353,10 @@ class AsyncEngine:
         except BaseException as e:  # a bug in the loop itself: never leave callers hanging
             logger.exception("engine loop crashed")
             self._die(f"engine loop crashed: {type(e).__name__}: {e}")
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
     def _has_work(self) -> bool:
         return self._dead is None and self.engine.has_unfinished_requests()

@@ -94,6 +94,20 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # auto: the model's dtype; fp8_e4m3: FlashInfer's fp8 pages (CUDA sm 89+ only).
     kv_dtype: str = "auto"
+    # KV tiers behind the pool (docs/kv_tiers.md), keyed by the prefix cache's block hashes.
+    # Host memory in GiB: pinned memory behind the GPU pool; on the CPU it is added to the
+    # pool (a host tier there would hold the same bytes in the same memory). 0: none.
+    host_tier_gib: float = 0.0
+    # Directory of the disk tier (one file per block, under a directory per model
+    # fingerprint); kept across restarts and shareable by replicas. None: no disk tier.
+    disk_tier_dir: str | None = None
+    # Bytes of block files the disk tier may hold, in GiB (LRU beyond).
+    disk_tier_gib: float = 10.0
+    # Read tier files with O_DIRECT, past the page cache (falls back where refused).
+    disk_tier_direct_io: bool = False
+    # Seconds between listings of the directory for files other replicas wrote or evicted
+    # (a shared volume); None: never (a directory of one's own).
+    disk_tier_rescan_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         _require(_is_power_of_two(self.block_size), "cache.block_size", "must be a power of two")
@@ -103,6 +117,18 @@ class CacheConfig:
             _require(self.num_kv_blocks >= 1, "cache.num_kv_blocks", "must be >= 1")
         _require(self.cpu_kv_cache_gib > 0, "cache.cpu_kv_cache_gib", "must be > 0")
         _require(self.kv_dtype in KV_DTYPES, "cache.kv_dtype", f"must be one of {KV_DTYPES}")
+        _require(self.host_tier_gib >= 0, "cache.host_tier_gib", "must be >= 0 (0: no host tier)")
+        _require(self.disk_tier_gib > 0, "cache.disk_tier_gib", "must be > 0")
+        if self.disk_tier_dir is not None:
+            _require(bool(self.disk_tier_dir.strip()), "cache.disk_tier_dir", "must not be empty")
+        if self.disk_tier_rescan_s is not None:
+            _require(self.disk_tier_rescan_s > 0, "cache.disk_tier_rescan_s", "must be > 0 or null")
+        if self.host_tier_gib > 0 or self.disk_tier_dir is not None:
+            _require(
+                self.enable_prefix_caching,
+                "cache.disk_tier_dir" if self.disk_tier_dir is not None else "cache.host_tier_gib",
+                "needs cache.enable_prefix_caching (the tiers are keyed by its block hashes)",
+            )
 
 
 @dataclass(frozen=True)

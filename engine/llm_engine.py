@@ -25,6 +25,7 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.core import admission
 from engine.core.kv_cache.manager import KVCacheManager
+from engine.core.kv_tier.manager import KVTierManager, KVTierStats
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.spec.stats import SpecDecodeStats
@@ -39,6 +40,7 @@ from engine.speculative import build_speculator, load_draft_model
 from engine.worker.distributed.group import threads_per_rank
 from engine.worker.distributed.pool import WorkerPool
 from engine.worker.kv_sizing import KVGeometry, size_kv_cache
+from engine.worker.kv_tier.setup import open_disk_store, plan_kv_tiers, start_kv_tiers
 from engine.worker.lora.model_lora import check_lora_runtime
 from engine.worker.lora.registry import LoRARegistry
 from engine.worker.models.loader import load_model, resolve_max_model_len
@@ -48,6 +50,9 @@ from engine.worker.runner import ModelRunner
 from engine.worker.structured.compiler import CompiledGrammar, GrammarCompiler
 
 logger = logging.getLogger(__name__)
+
+# Seconds an empty step (only KV tier moves in flight) waits for one of them to finish.
+EMPTY_STEP_WAIT_S = 0.005
 
 
 @dataclass
@@ -77,6 +82,8 @@ class EngineStats:
     lora_waiting: dict[str, int] = field(default_factory=dict)
     # Speculative decoding's counters; None when it is off.
     spec_decode: SpecDecodeStats | None = None
+    # The KV tiers' counters and gauges (engine.core.kv_tier.KVTierStats); None without.
+    kv_tier: KVTierStats | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -154,6 +161,19 @@ class LLMEngine:
         if self.runner.proposer is not None:  # a draft model's KV shares the block ids
             geom = replace(geom, extra_bytes_per_block=self.runner.proposer.kv_bytes_per_block)
         num_blocks = size_kv_cache(self.runner, config, geom, self.max_model_len, tp)
+        tiers = plan_kv_tiers(config.cache, geom.bytes_per_block, self.device, tp.size)
+        if tiers.extra_pool_blocks:  # the CPU's host_tier_gib: a larger pool (see setup.py)
+            logger.info(
+                "cache.host_tier_gib on the CPU: %d more KV pool blocks (docs/kv_tiers.md)",
+                tiers.extra_pool_blocks,
+            )
+            num_blocks += tiers.extra_pool_blocks
+        disk = None
+        if tiers.disk_dir is not None:  # probed before the cache is allocated: fail fast
+            disk = open_disk_store(
+                config, tiers, loaded.model_dir, loaded.dtype,
+                (geom.num_layers, geom.num_kv_heads, geom.head_dim),
+            )  # fmt: skip
         self.runner.allocate_kv_cache(num_blocks)
         if self.tp_workers is not None:
             self.tp_workers.await_ready(num_blocks)
@@ -161,12 +181,21 @@ class LLMEngine:
         # Attention backend and decode graphs as they ended up, with any fallback's reason.
         self.accelerator = self.runner.status
         self.kv_manager = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        # KV tiers (docs/kv_tiers.md): the core's decisions and the worker's threads.
+        self.kv_tier: KVTierManager | None = None
+        self.kv_tier_worker = None
+        if tiers.host_slots or disk is not None:
+            self.kv_tier, self.kv_tier_worker = start_kv_tiers(
+                tiers, self.kv_manager, self.runner.kv_caches, self.device, disk,
+                config.cache.disk_tier_rescan_s,
+            )  # fmt: skip
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv_manager,
             self.max_model_len,
             max_loras=config.lora.max_loras if lora is not None else None,
             speculator=build_speculator(config.speculative),
+            kv_tier=self.kv_tier,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # Structured outputs: grammars compiled in prepare_request (off the engine thread).
@@ -196,9 +225,38 @@ class LLMEngine:
         return self.tp_workers.fatal if self.tp_workers is not None else None
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers (a no-op on one device). Idempotent."""
+        """Stops the tensor-parallel workers and the KV tier's threads. Idempotent."""
         if self.tp_workers is not None:
             self.tp_workers.close()
+        if self.kv_tier_worker is not None:
+            self.kv_tier_worker.close()
+
+    def flush_kv_tier(self, timeout_s: float) -> int:
+        """Drain, once no step runs any more: writes the pool's cached blocks the disk tier
+        lacks, the most recently used first, for at most `timeout_s` seconds, so a restart
+        on the same directory finds them. Returns the blocks written (0 without a disk)."""
+        tier, worker = self.kv_tier, self.kv_tier_worker
+        if tier is None or worker is None or tier.disk is None:
+            return 0
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        before = tier.stats().bytes_written.get("disk", 0)
+        queued = tier.flush_pool()
+        while tier.busy:
+            worker.submit(*tier.take_moves())
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            report = worker.poll(wait_s=min(left, 0.05))
+            if report is not None:
+                tier.apply(report)
+        written = (tier.stats().bytes_written.get("disk", 0) - before) // max(
+            1, tier.sizes.disk_file_bytes
+        )
+        logger.info(
+            "kv disk tier flushed blocks=%d of %d queued complete=%s",
+            written, queued, not tier.busy,
+        )  # fmt: skip
+        return written
 
     # ---- requests -------------------------------------------------------------------------
     def prepare_request(
@@ -319,7 +377,17 @@ class LLMEngine:
         self._settle_lora_removals()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is held, or KV tier moves are in flight: their blocks come
+        back to the pool, and the tier's index learns what was stored, only in a step."""
+        if self.scheduler.has_unfinished_requests() or self.scheduler.has_kv_moves():
+            return True
+        return self.kv_tier_worker is not None and self.kv_tier_worker.has_report()
+
+    def set_wakeup(self, wake) -> None:
+        """`wake()` is called from another thread when background work (a KV tier rescan
+        that found other replicas' files) waits for a step; the engine loop then steps."""
+        if self.kv_tier_worker is not None:
+            self.kv_tier_worker.on_scan = wake
 
     # ---- stepping -------------------------------------------------------------------------
     def has_request(self, request_id: str) -> bool:
@@ -329,11 +397,20 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Runs one step; returns what each request that progressed gained in it."""
         self._step_output = None
+        tier = self.kv_tier_worker
+        if tier is not None:  # what finished since the last step, before the lookups
+            report = tier.poll()
+            if report is not None:
+                self.scheduler.apply_kv_report(report)
         so = self._step_output = self.scheduler.schedule()
+        if tier is not None:  # off the engine thread: returns at once
+            tier.submit(so.kv_saves, so.kv_loads, so.kv_deletes)
         if self.tp_workers is None:
             runner_out = self.runner.execute(so)
         else:  # every rank runs the step; rank 0's runner samples
             runner_out = self.tp_workers.run_step(self.runner.execute, so)
+        if tier is not None:  # an empty step waits a little for loads instead of spinning
+            runner_out.kv_tier = tier.poll(EMPTY_STEP_WAIT_S if so.is_empty else 0.0)
         updated = self.scheduler.update_from_output(so, runner_out)
         self._generation_tokens_total += sum(len(t) for t in runner_out.sampled_token_ids)
         touched, stops = self.outputs.process(updated, runner_out)
@@ -457,6 +534,7 @@ class LLMEngine:
                 if self.scheduler.speculator is not None
                 else None
             ),
+            kv_tier=self.kv_tier.stats() if self.kv_tier is not None else None,
         )
 
 

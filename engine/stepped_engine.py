@@ -88,3 +88,12 @@ class SteppedEngine(Protocol):
     def close(self) -> None:
         """Releases what outlives a step (tensor-parallel workers); after the loop stopped."""
         ...
+
+    def set_wakeup(self, wake: Any) -> None:
+        """`wake()` may be called from any thread when background work needs a step."""
+        ...
+
+    def flush_kv_tier(self, timeout_s: float) -> int:
+        """Drain: writes the pool's cached blocks to the KV disk tier for at most
+        `timeout_s` (0 without one); after the loop stopped, before `close`."""
+        ...

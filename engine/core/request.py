@@ -57,6 +57,10 @@ class RequestTimes:
     last_token: float | None = None
     finished: float | None = None
     preempted: list[float] = field(default_factory=list)
+    # KV tier: when its loads were issued and when the last one was reported (the loading
+    # state; its time counts in TTFT like any wait).
+    kv_load_started: float | None = None
+    kv_load_finished: float | None = None
 
 
 class Request:
@@ -113,6 +117,8 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at first scheduling (for metrics/traces).
         self.num_cached_tokens = 0
+        # Of those, tokens loaded from each KV tier ("host", "disk"); empty without a tier.
+        self.tier_cached_tokens: dict[str, int] = {}
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -144,6 +150,14 @@ class Request:
         out of the forward pass, and a prompt block served from the prefix cache is never
         computed. Its blocks are still cached for others (their K/V are the same)."""
         return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def uses_kv_tier(self) -> bool:
+        """True when a KV tier may serve its prefix (engine/core/kv_tier): like a prefix-cache
+        read. A request that caches nothing (one that skips prefix reads; prefill-only
+        requests should answer False here too) never reaches a tier; one that registers
+        no blocks never saves any either."""
+        return not self.skips_prefix_cache_reads
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -37,6 +37,13 @@ length and its max_tokens. Proposals never cost a preemption: when the pool cann
 them the request runs without them. `update_from_output` takes back the computed count of
 the rejected positions and the blocks only they used (block-table truncation, no copy);
 blocks are registered in the prefix cache only once full of known (accepted) tokens.
+
+KV tier (`kv_tier`, engine/core/kv_tier): a waiting request whose prefix continues in a tier
+past the pool starts its loads and waits in the "loading" state, keeping its place in the
+queue but skipped until the loads are reported (`_waits_for_kv`); it then admits like any
+request, its loaded blocks being ordinary prefix hits. The tier's moves go out in the
+step's `SchedulerOutput` and its results come back in `RunnerOutput.kv_tier`; `_finish`
+releases what a request's loads pinned, however it leaves (abort, deadline, error).
 """
 
 from __future__ import annotations
@@ -49,10 +56,17 @@ from engine.config import SchedulerConfig
 from engine.core import admission
 from engine.core.adapter_slots import AdapterSlots, count_adapters, uses_adapter
 from engine.core.kv_cache.manager import KVCacheManager
+from engine.core.kv_tier.manager import KVTierManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_queue
 from engine.core.spec.speculator import Speculator
-from engine.core.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.core.step_io import (
+    CachedRequestData,
+    KVTierReport,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
 from engine.core.stop import check_stop
 
 __all__ = ["Scheduler"]
@@ -92,9 +106,11 @@ class Scheduler:
         max_model_len: int,
         max_loras: int | None = None,
         speculator: Speculator | None = None,
+        kv_tier: KVTierManager | None = None,
     ):
         """`max_loras`: distinct LoRA adapters the running requests may use at once (the
-        runner's slots); None when LoRA is off. `speculator`: speculative decoding, or None."""
+        runner's slots); None when LoRA is off. `speculator`: speculative decoding, or None.
+        `kv_tier`: the KV tiers behind the pool (over this `kv_manager`), or None."""
         if max_model_len < 2:
             raise ValueError("max_model_len: must be >= 2 (one prompt and one output token)")
         self.config = config
@@ -102,6 +118,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_loras = max_loras
         self.speculator = speculator
+        self.kv_tier = kv_tier
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = make_queue(config.policy)
@@ -124,6 +141,17 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def apply_kv_report(self, report: KVTierReport) -> None:
+        """Takes in KV tier results that arrived between steps (the engine polls before
+        `schedule`, so lookups see the freshest index and copied blocks are free again)."""
+        if self.kv_tier is not None:
+            self.kv_tier.apply(report)
+
+    def has_kv_moves(self) -> bool:
+        """KV tier moves not yet handed out or reported: steps must go on (empty ones if
+        need be) until they settle, since held blocks return to the pool only in a step."""
+        return self.kv_tier is not None and self.kv_tier.busy
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -200,6 +228,9 @@ class Scheduler:
                     n += len(step.spec.get(req.request_id, ()))
             if blocks is None:
                 blocks = allocate(req, n)
+            if blocks is None and self.kv_tier is not None and self.kv_tier.held_blocks_return():
+                i += 1  # blocks held for a tier's copy are back next step: wait, not preempt
+                continue
             if blocks is None:
                 step.budget = budget
                 blocks, i = self._preempt_until_fits(req, i, n, step, now)
@@ -310,7 +341,11 @@ class Scheduler:
         while waiting and step.budget > 0 and len(running) < max_seqs:
             req = waiting.peek()
             leader = self._fork_leader(req)
-            if leader is False or not adapters.admits(req):
+            if (
+                leader is False
+                or not adapters.admits(req)
+                or (leader is None and self._waits_for_kv(req))
+            ):
                 skipped.append(waiting.pop())
                 continue
             if leader is None:
@@ -350,6 +385,12 @@ class Scheduler:
         # Not started yet: it is ahead in the queue or will be soon; share with it then.
         return False if leader.status is _WAITING else None
 
+    def _waits_for_kv(self, req: Request) -> bool:
+        """True while `req` is in the loading state: its loads are in flight, or its prefix
+        continues in a KV tier and they start now."""
+        tier = self.kv_tier
+        return tier is not None and (tier.is_loading(req) or tier.try_load(req))
+
     def _cap(self, req: Request, start: int, budget: int) -> int:
         """Tokens to schedule for `req` from `start`, within the budget and the model length."""
         return min(req.num_tokens - start, budget, self.max_model_len - start)
@@ -365,7 +406,8 @@ class Scheduler:
         n = self._cap(req, num_cached, budget)
         if kv.allocate_slots(req, n, cached_blocks or None) is None:
             return num_cached, 0
-        kv.count_prefix_query(req, num_cached)
+        from_tier = 0 if self.kv_tier is None else self.kv_tier.on_admitted(req, num_cached)
+        kv.count_prefix_query(req, num_cached - from_tier)
         return num_cached, n
 
     def _allocate_fork(self, req: Request, leader: Request, budget: int) -> tuple[int, int]:
@@ -425,7 +467,7 @@ class Scheduler:
         finished = self._left_batch | step.preempted
         self._left_batch = set()
         self._in_flight = num_scheduled
-        return SchedulerOutput(
+        so = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
@@ -436,6 +478,9 @@ class Scheduler:
             spec_token_ids=step.spec,
             num_lookahead_tokens=step.lookahead,
         )
+        if self.kv_tier is not None:
+            so.kv_saves, so.kv_loads, so.kv_deletes = self.kv_tier.take_moves()
+        return so
 
     # ---- results ---------------------------------------------------------------------------
     def update_from_output(
@@ -450,6 +495,8 @@ class Scheduler:
         """
         now = time.monotonic()
         self._in_flight = {}
+        if runner_output.kv_tier is not None and self.kv_tier is not None:
+            self.kv_tier.apply(runner_output.kv_tier)
         requests, max_len = self.requests, self.max_model_len
         updated: list[Request] = []
         any_finished = False
@@ -516,6 +563,8 @@ class Scheduler:
         # cached prefix. (`_in_flight` is the runner's dict too: read it, never mutate it.)
         req.num_computed_tokens -= self._in_flight.get(req.request_id, 0)
         self.kv_manager.free(req)
+        if self.kv_tier is not None:  # loading or not: what its loads pinned goes
+            self.kv_tier.on_finished(req)
         del self.requests[req.request_id]
         if self.speculator is not None:
             self.speculator.on_finished(req)

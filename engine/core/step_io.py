@@ -29,6 +29,53 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
+# A KV tier's name in moves and reports (engine/core/kv_tier): pinned host memory, or files.
+HOST_TIER = "host"
+DISK_TIER = "disk"
+
+
+@dataclass(frozen=True, slots=True)
+class KVMove:
+    """One block moved between the KV pool and a tier (engine/core/kv_tier decides them).
+
+    A save copies pool block `block_id` out under `block_hash` (the prefix-cache hash, extra
+    keys and all): into host slot `host_slot` when it is >= 0, and to a disk file when
+    `to_disk`. A load fills pool block `block_id` with `block_hash`'s KV: from host slot
+    `host_slot` when it is >= 0, else from its disk file.
+    """
+
+    block_hash: bytes
+    block_id: int
+    host_slot: int = -1
+    to_disk: bool = False
+
+
+@dataclass
+class KVTierReport:
+    """What the worker finished of the tier moves since its last report (none are blocking)."""
+
+    # Saves whose copy out of the pool is done: those blocks may be reused.
+    copied: list[int] = field(default_factory=list)
+    # (block hash, tier) now readable from that tier; and those that could not be stored.
+    stored: list[tuple[bytes, str]] = field(default_factory=list)
+    store_failed: list[tuple[bytes, str]] = field(default_factory=list)
+    # Loads: pool block ids filled; and (block id, why) for those that were not (missing,
+    # corrupt, unreadable file): their requests compute those tokens instead.
+    loaded: list[int] = field(default_factory=list)
+    load_failed: list[tuple[int, str]] = field(default_factory=list)
+    # Disk files another process added or removed since the last scan (shared directory):
+    # (block hash, bytes, mtime) and block hashes.
+    scan_added: list[tuple[bytes, int, float]] = field(default_factory=list)
+    scan_removed: list[bytes] = field(default_factory=list)
+    # Set once when the disk tier failed for good (ENOSPC, EIO): it is off from then on.
+    disk_error: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.copied or self.stored or self.store_failed or self.loaded
+            or self.load_failed or self.scan_added or self.scan_removed or self.disk_error
+        )  # fmt: skip
+
 
 @dataclass
 class NewRequestData:
@@ -86,6 +133,12 @@ class SchedulerOutput:
     # request_id -> tokens a worker-side proposer (a draft model) proposes for the request's
     # next step after this one; the slots its KV needs past this step's are allocated.
     num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
+    # KV tier moves, carried out off the engine thread (results come back in a later
+    # RunnerOutput's `kv_tier`): saves of blocks held out of the free queue until copied,
+    # loads into blocks no request reads until loaded, and disk files to delete (evicted).
+    kv_saves: list[KVMove] = field(default_factory=list)
+    kv_loads: list[KVMove] = field(default_factory=list)
+    kv_deletes: list[bytes] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -133,3 +186,5 @@ class RunnerOutput:
     # Speculative decoding: request_id -> tokens a worker-side proposer (a draft model, the
     # grammar's forced tokens) proposes for the request's next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The KV tier moves finished since the last step (None: no tier, or nothing finished).
+    kv_tier: KVTierReport | None = None

@@ -88,6 +88,9 @@ class RequestGroup:
             spec_num_drafts=sum(r.spec.num_drafts for r in samples if r.spec),
             spec_num_draft_tokens=sum(r.spec.num_draft_tokens for r in samples if r.spec),
             spec_num_accepted_tokens=sum(r.spec.num_accepted_tokens for r in samples if r.spec),
+            tier_cached_tokens=dict(samples[0].tier_cached_tokens),
+            kv_load_start_time=times[0].kv_load_started,
+            kv_load_end_time=times[0].kv_load_finished,
         )
 
 

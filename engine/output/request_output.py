@@ -64,6 +64,11 @@ class RequestMetrics:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Of num_cached_tokens, those loaded from each KV tier ("host", "disk"), and when the
+    # loads were issued and done (the request waited in the loading state meanwhile).
+    tier_cached_tokens: dict[str, int] = field(default_factory=dict)
+    kv_load_start_time: float | None = None
+    kv_load_end_time: float | None = None
 
     @property
     def spec_mean_acceptance_length(self) -> float | None:

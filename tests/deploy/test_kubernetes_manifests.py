@@ -35,7 +35,7 @@ from tests.support.fake_engine import FakeLLMEngine
 from tests.support.kubernetes import KUBE_DIR, ROOT, load_file, one, render
 from tests.support.waiting import HANG_S
 
-OVERLAYS = ("base", "overlays/cpu", "overlays/gpu")
+OVERLAYS = ("base", "overlays/cpu", "overlays/gpu", "overlays/cpu-kv-tier-pvc")
 SERVER_LABELS = {"app.kubernetes.io/name": "appliance", "app.kubernetes.io/component": "server"}
 
 
@@ -150,7 +150,8 @@ def test_the_gpu_startup_budget_covers_the_image_start_period(tmp_path) -> None:
 
 
 def test_the_model_is_read_from_the_models_claim(stack: Stack) -> None:
-    volume = stack.volume(persistentVolumeClaim="")
+    volume = next(v for v in stack.pod["spec"]["volumes"] if v["name"] == "models")
+    assert "persistentVolumeClaim" in volume
     claim = one(stack.objs, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
     mount = stack.mount(volume["name"])
     assert mount["readOnly"] is True
@@ -198,6 +199,24 @@ def test_the_cpu_overlay_threads_and_kv_cache_fit_its_limits(tmp_path) -> None:
     assert resources["requests"] == resources["limits"]  # Guaranteed QoS: whole cores
     assert cpu.cfg.runtime.num_threads == int(resources["limits"]["cpu"])
     assert cpu.cfg.cache.cpu_kv_cache_gib < _gib(resources["limits"]["memory"]) / 2
+
+
+def test_the_kv_disk_tier_is_the_kv_tier_volume_and_fits_it(stack: Stack) -> None:
+    cache = stack.cfg.cache
+    mount = stack.mount("kv-tier")
+    assert cache.disk_tier_dir == mount["mountPath"] and not mount.get("readOnly")
+    volume = next(v for v in stack.pod["spec"]["volumes"] if v["name"] == "kv-tier")
+    if "emptyDir" in volume:  # the default: the pod's own, sized above the tier's bytes
+        assert _gib(volume["emptyDir"]["sizeLimit"]) > cache.disk_tier_gib
+    else:  # the kv-tier-pvc component: one claim every replica mounts at once
+        claim = one(
+            stack.objs, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]
+        )
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert _gib(claim["spec"]["resources"]["requests"]["storage"]) > cache.disk_tier_gib
+        assert cache.disk_tier_rescan_s is not None  # replicas see each other's files
+    # The drain's flush runs within server.shutdown_grace_s, which the grace period covers.
+    assert stack.pod["spec"]["terminationGracePeriodSeconds"] > stack.cfg.server.shutdown_grace_s
 
 
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:

@@ -22,7 +22,7 @@ from tests.support.kubernetes import (
     validate_object,
 )
 
-KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu", "kserve")
+KUSTOMIZATIONS = ("base", "overlays/cpu", "overlays/gpu", "overlays/cpu-kv-tier-pvc", "kserve")
 PLAIN_MANIFESTS = ("jobs/fill-models.yaml", "autoscaling/podmonitor.yaml")
 # Objects no Kubernetes release defines: (apiVersion, kind).
 CUSTOM_KINDS = {
@@ -40,7 +40,9 @@ def _core(objs):
     return [o for o in objs if (o["apiVersion"], o["kind"]) not in CUSTOM_KINDS]
 
 
-@pytest.mark.parametrize("rel", ("base", "overlays/cpu", "overlays/gpu"))
+@pytest.mark.parametrize(
+    "rel", ("base", "overlays/cpu", "overlays/gpu", "overlays/cpu-kv-tier-pvc")
+)
 def test_each_overlay_renders_the_whole_stack_with_unique_names(rel: str) -> None:
     objs = render(rel)
     assert STACK_KINDS <= {o["kind"] for o in objs}

@@ -56,6 +56,7 @@ class FakeStats:
     lora_running: dict[str, int] = field(default_factory=dict)
     lora_waiting: dict[str, int] = field(default_factory=dict)
     spec_decode: object | None = None  # speculative decoding is off in the fake
+    kv_tier: object | None = None
 
 
 @dataclass
@@ -219,6 +220,13 @@ class FakeLLMEngine:
 
     def close(self) -> None:
         self.closed = True
+
+    def set_wakeup(self, wake) -> None:
+        self.wake = wake
+
+    def flush_kv_tier(self, timeout_s: float) -> int:
+        self.flushed_for = timeout_s
+        return 0
 
     def stats(self) -> FakeStats:
         s = self._stats

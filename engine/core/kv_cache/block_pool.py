@@ -17,11 +17,16 @@ order. A prefix hit pulls a free cached block out of the middle, hence the doubl
 list: O(1) removal, where ``deque.remove`` would be O(n).
 
 No block is reserved: block ids are ``0 .. num_blocks - 1`` and all of them can be handed out.
+
+With a KV tier (engine/core/kv_tier) a third state exists, *held for saving*: a cached block
+whose last reference went, which the tier's `save_hook` wants copied out. It stays out of the
+free queue (so no allocation can overwrite it while the worker copies it) until
+`release_saved`, and meanwhile still serves prefix hits like any cached block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from engine.core.kv_cache.hashing import BlockHash
 
@@ -29,7 +34,7 @@ from engine.core.kv_cache.hashing import BlockHash
 class KVBlock:
     """One physical block of ``block_size`` KV slots (the same index in every layer)."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "save_pending")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -39,6 +44,8 @@ class KVBlock:
         # Free-queue links; both None iff the block is not in the queue.
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
+        # Held for saving to a KV tier: out of the free queue until `release_saved`.
+        self.save_pending = False
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -125,6 +132,10 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
         # Cached blocks whose hash was dropped because an allocation reused them.
         self.num_evictions = 0
+        # KV tier: called for a cached block whose last reference goes; True holds it out
+        # of the free queue for saving (see the module docstring). None: no tier.
+        self.save_hook: Callable[[KVBlock], bool] | None = None
+        self.num_held_for_save = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -136,7 +147,8 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use (ref_cnt > 0); cached free blocks count as free."""
+        """Fraction of blocks in use (ref_cnt > 0, or held for saving); cached free blocks
+        count as free."""
         return (self.num_blocks - self.free_queue.num_free) / self.num_blocks
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
@@ -163,7 +175,7 @@ class BlockPool:
         """Add a reference to each block, taking free (cached) ones out of the free queue."""
         remove = self.free_queue.remove
         for block in blocks:
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 0 and not block.save_pending:
                 remove(block)
             block.ref_cnt += 1
 
@@ -171,12 +183,29 @@ class BlockPool:
         """Drop one reference from each block; those reaching 0 go to the free queue's tail
         in the given order (so the first one given is evicted first)."""
         append = self.free_queue.append
+        hook = self.save_hook
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"{block} freed with no references")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                append(block)
+                if block.save_pending:  # touched and freed again while being saved
+                    continue
+                if hook is not None and block.block_hash is not None and hook(block):
+                    block.save_pending = True
+                    self.num_held_for_save += 1
+                else:
+                    append(block)
+
+    def release_saved(self, block: KVBlock) -> None:
+        """The tier copied the block out: it joins the free queue's tail (most recently
+        freed) unless a prefix hit took it meanwhile. No-op for a block not held."""
+        if not block.save_pending:
+            return
+        block.save_pending = False
+        self.num_held_for_save -= 1
+        if block.ref_cnt == 0:
+            self.free_queue.append(block)
 
     def free_scratch_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block of contents nobody will read (no hash: the

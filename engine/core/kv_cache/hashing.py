@@ -27,6 +27,10 @@ from hashlib import sha256
 
 BlockHash = bytes
 
+# The scheme's version: whatever keeps hashes of one run (the KV tiers' files) meaningful to
+# another. Bump it when anything below changes what a hash covers or how.
+HASH_VERSION = 1
+
 # Parent of a request's first block: a fixed 32-byte value keeps the layout fixed-width.
 ROOT_HASH: BlockHash = sha256(b"engine.kv_cache:root").digest()
 

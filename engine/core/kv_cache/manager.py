@@ -126,6 +126,12 @@ class KVCacheManager:
             self._prefix_queries += request.num_tokens
             self._prefix_hits += num_hit_tokens
 
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of the request's first `num_blocks` full blocks (the same keys
+        the prefix cache uses, extra keys included: the KV tiers key blocks by them too).
+        Computed once per request and kept until `free`."""
+        return self._hashes_upto(self._state(request), num_blocks)[:num_blocks]
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] for an unknown id)."""
         st = self._reqs.get(request_id)

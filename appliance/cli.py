@@ -117,8 +117,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from appliance.http.server import EngineDiedError
     from appliance.telemetry import instrument_app, setup_tracing
 
+    from appliance.responses.store import open_store
+
     tracing = setup_tracing(cfg.telemetry)  # None when telemetry.otlp_endpoint is unset
     adapters = AdapterRegistry(aeng, cfg.lora, aeng.model_name)
+    # One store for HTTP and gRPC (/v1/responses, Respond), opened (and created) now.
+    store = open_store(
+        cfg.responses.store_path, cfg.responses.max_stored, cfg.responses.ttl_s, os.environ
+    )
+    log_event(logger, "responses store", path=store.path, max_stored=store.max_stored)
 
     async def main() -> None:
         try:
@@ -131,7 +138,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 logger, "adapters ready", names=",".join(a.lora_name for a in adapters.adapters())
             )
         app = instrument_app(
-            build_app(aeng, cfg.server, tracing=tracing, adapters=adapters), tracing
+            build_app(
+                aeng, cfg.server, tracing=tracing, adapters=adapters, responses_store=store
+            ),
+            tracing,
         )
         grpc_server = None
         if cfg.server.grpc_port is not None:
@@ -154,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if grpc_server is not None:
                 await grpc_server.stop(grace())
             await aeng.shutdown(grace_s=0)
+            store.close()
             if tracing is not None:
                 tracing.shutdown()  # flush spans
 

@@ -115,9 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from appliance.adapters import AdapterRegistry
     from appliance.grpc.server import GrpcSettings, start_grpc_server
     from appliance.http.server import EngineDiedError
-    from appliance.telemetry import instrument_app, setup_tracing
-
     from appliance.responses.store import open_store
+    from appliance.telemetry import instrument_app, setup_tracing
 
     tracing = setup_tracing(cfg.telemetry)  # None when telemetry.otlp_endpoint is unset
     adapters = AdapterRegistry(aeng, cfg.lora, aeng.model_name)
@@ -138,9 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 logger, "adapters ready", names=",".join(a.lora_name for a in adapters.adapters())
             )
         app = instrument_app(
-            build_app(
-                aeng, cfg.server, tracing=tracing, adapters=adapters, responses_store=store
-            ),
+            build_app(aeng, cfg.server, tracing=tracing, adapters=adapters, responses_store=store),
             tracing,
         )
         grpc_server = None

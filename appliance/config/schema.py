@@ -211,7 +211,7 @@ class ResponsesSection:
         _require(
             self.store_path is None or bool(self.store_path),
             "responses.store_path",
-            "must be a path, \":memory:\" or null",
+            'must be a path, ":memory:" or null',
         )
         _require(self.max_stored >= 0, "responses.max_stored", "must be >= 0")
         if self.ttl_s is not None:

@@ -25,7 +25,7 @@ from appliance.responses.protocol import (
     ResponseObject,
     ResponseUsage,
 )
-from appliance.responses.store import ResponseStore, StoredResponse
+from appliance.responses.store import ResponseStore
 from appliance.responses.turn import Turn
 
 Decode = Callable[[list[int]], str]
@@ -109,11 +109,8 @@ class ResponseRun:
         self._finish(outcome, stream.counts(), out.outputs[0].token_ids if out.outputs else [])
         if self.stored:
             await self._store.put(
-                StoredResponse(
-                    self.id, self._owner, time.time(), self.response.model_dump(mode="json"),
-                    self.turn.input_items,
-                )
-            )  # fmt: skip
+                self.response.model_dump(mode="json"), self._owner, self.turn.input_items
+            )
         yield self._lifecycle(outcome.terminal_event)
 
     def _finish(self, outcome: Outcome, counts: Any, token_ids: Sequence[int]) -> None:

@@ -104,8 +104,9 @@ class ResponseStore:
         return self.max_stored > 0
 
     # ---- async API (what the frontends call) ---------------------------------------------
-    async def put(self, rec: StoredResponse) -> None:
-        await asyncio.to_thread(self.put_sync, rec)
+    async def put(self, response: dict, owner: str, input_items: list[dict]) -> None:
+        """Keeps `response` (its `id` is the key) for `owner`, created now."""
+        await asyncio.to_thread(self.put_sync, response, owner, input_items)
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         return await asyncio.to_thread(self.get_sync, response_id, owner)
@@ -114,7 +115,7 @@ class ResponseStore:
         return await asyncio.to_thread(self.delete_sync, response_id, owner)
 
     # ---- the blocking work (on a worker thread) ------------------------------------------
-    def put_sync(self, rec: StoredResponse) -> None:
+    def put_sync(self, response: dict, owner: str, input_items: list[dict]) -> None:
         if not self.enabled:
             return
         with self._lock:
@@ -123,8 +124,8 @@ class ResponseStore:
                 self._db.execute(
                     "INSERT OR REPLACE INTO responses (id, owner, created_at, response, "
                     "input_items) VALUES (?, ?, ?, ?, ?)",
-                    (rec.id, rec.owner, rec.created_at, json.dumps(rec.response),
-                     json.dumps(rec.input_items)),
+                    (response["id"], owner, self._clock(), json.dumps(response),
+                     json.dumps(input_items)),
                 )  # fmt: skip
                 self._evict()
                 self._db.execute("COMMIT")

@@ -1,0 +1,70 @@
+"""/v1/responses on the real engine (tiny checkpoint, uvicorn, the openai SDK): a three-turn
+conversation by `previous_response_id` whose prefix-cache hits show in usage, streaming
+that equals the non-streamed answer token for token under greedy sampling, and no KV
+block left held."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from appliance.config import ServerConfig
+from tests.support.served_stack import Stack, served, tiny_engine, wait_idle_and_free
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir) -> Iterator[Stack]:
+    llm = tiny_engine(tiny_llama_dir, max_model_len=512, block_size=BLOCK, num_kv_blocks=128)
+    with served(llm, ServerConfig(host="127.0.0.1", http_port=0)) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0)
+
+
+def test_three_turns_by_previous_response_id_hit_the_prefix_cache(stack, client):
+    kw = dict(model="tiny", temperature=0, max_output_tokens=8)
+    r1 = client.responses.create(input="The capital of France is Paris.", **kw)
+    r2 = client.responses.create(input="Tell me a story.", previous_response_id=r1.id, **kw)
+    r3 = client.responses.create(input="One more.", previous_response_id=r2.id, **kw)
+    u1, u2, u3 = r1.usage, r2.usage, r3.usage
+    assert u1.input_tokens_details.cached_tokens == 0
+    # each turn's prompt starts with the whole previous prompt: at least its full blocks hit
+    for prev, cur in ((u1, u2), (u2, u3)):
+        cached = cur.input_tokens_details.cached_tokens
+        assert cached % BLOCK == 0
+        assert BLOCK * (prev.input_tokens // BLOCK) <= cached < cur.input_tokens
+        assert cur.input_tokens > prev.input_tokens + prev.output_tokens
+    items = client.responses.input_items.list(r3.id, order="asc", limit=100).data
+    assert [i.type for i in items] == ["message"] * 5
+    assert [i.id for i in items[:2]] == [
+        client.responses.input_items.list(r1.id).data[0].id, r1.output[0].id,
+    ]  # fmt: skip
+    wait_idle_and_free(stack.aeng)
+
+
+def test_stream_equals_create_under_greedy_sampling(stack, client):
+    kw = dict(model="tiny", input="Hello, how are you today?", temperature=0,
+              max_output_tokens=12, extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert events[-1].type == "response.incomplete"
+    final = events[-1].response
+    assert whole.status == final.status == "incomplete"
+    assert "".join(deltas) == final.output_text == whole.output_text
+    assert final.usage.output_tokens == whole.usage.output_tokens == 12
+    wait_idle_and_free(stack.aeng)
+
+
+def test_input_over_the_context_is_a_400_naming_input(stack, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="word " * 600)
+    assert e.value.body["param"] == "input" and e.value.body["code"] == "context_length_exceeded"
+    wait_idle_and_free(stack.aeng)

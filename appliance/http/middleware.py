@@ -45,9 +45,10 @@ def cache_salt_of(scope: Scope, user_salt: str | None, by_api_key: bool) -> tupl
     return request_cache_salt(user_salt, _bearer(scope), by_api_key)
 
 
-def owner_of(scope: Scope) -> str:
-    """Who owns the responses this request stores or reads (appliance.tenancy)."""
-    return response_owner(_bearer(scope))
+def owner_of(scope: Scope, keyed: bool) -> str:
+    """Who owns the responses this request stores or reads (appliance.tenancy): its API key
+    when the server has keys (`keyed`; AuthMiddleware checked it), else the one owner."""
+    return response_owner(_bearer(scope) if keyed else None)
 
 
 class AuthMiddleware:

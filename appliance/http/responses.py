@@ -56,6 +56,10 @@ def _store(state: AppState) -> ResponseStore:
     return state.responses
 
 
+def _owner(state: AppState, request: Request) -> str:
+    return owner_of(request.scope, bool(state.server.api_keys))
+
+
 def _policy(data: dict) -> None:
     try:
         apply_policy(data)
@@ -68,7 +72,7 @@ def _missing(response_id: str, param: str | None = None) -> ResponsesError:
 
 
 async def _stored(state: AppState, request: Request, response_id: str) -> StoredResponse:
-    rec = await _store(state).get(response_id, owner_of(request.scope))
+    rec = await _store(state).get(response_id, _owner(state, request))
     if rec is None:
         raise from_engine_error(_missing(response_id))
     return rec
@@ -78,7 +82,7 @@ async def _turn(state: AppState, request: Request, req: ResponsesRequest) -> Tur
     """The request checked and planned against the response it continues (if any)."""
     previous = None
     if req.previous_response_id is not None:
-        previous = await _store(state).get(req.previous_response_id, owner_of(request.scope))
+        previous = await _store(state).get(req.previous_response_id, _owner(state, request))
         if previous is None:
             raise from_engine_error(_missing(req.previous_response_id, "previous_response_id"))
         if previous.response.get("status") == "failed":
@@ -134,7 +138,7 @@ async def create_response(request: Request) -> Response:
     )  # fmt: skip
     tok = state.aeng.tokenizer
     run = ResponseRun(
-        turn, rid, state.response_model(req.model), _store(state), owner_of(request.scope),
+        turn, rid, state.response_model(req.model), _store(state), _owner(state, request),
         lambda ids: tok.decode(ids, skip_special_tokens=False),
         _logprob_format(state, turn),
     )  # fmt: skip
@@ -196,7 +200,7 @@ async def retrieve_response(request: Request) -> Response:
 async def delete_response(request: Request) -> Response:
     state = state_of(request)
     response_id = request.path_params["response_id"]
-    if not await _store(state).delete(response_id, owner_of(request.scope)):
+    if not await _store(state).delete(response_id, _owner(state, request)):
         raise from_engine_error(_missing(response_id))
     return JSONResponse(DeletedResponse(id=response_id).model_dump(mode="json"))
 

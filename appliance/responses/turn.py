@@ -109,7 +109,9 @@ def plan_turn(
                 "include",
             )
         logprobs = req.top_logprobs or 0
-    constraint, params = _sampling(req, logprobs)
+    # A forced call is the whole answer of this turn: text.format has no text to shape (an
+    # agent sends its output type on every turn, tool_choice required included).
+    constraint, params = _sampling(req, logprobs, use_format=not dialect.forced)
     try:
         constrain(params, dialect)
     except DialectError as e:
@@ -214,10 +216,11 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict | None:
 
 
 def _sampling(
-    req: ResponsesRequest, logprobs: int | None
+    req: ResponsesRequest, logprobs: int | None, use_format: bool
 ) -> tuple[structured.Constraint | None, SamplingParams]:
     try:
-        constraint = structured.build(_given(req))
+        given = _given(req)
+        constraint = structured.build(given) if use_format else None
         params = SamplingParams(
             n=1,
             temperature=1.0 if req.temperature is None else req.temperature,

@@ -143,7 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_server = None
         if cfg.server.grpc_port is not None:
             grpc_server = await start_grpc_server(
-                aeng, GrpcSettings.from_server_config(cfg.server), tracing, adapters
+                aeng, GrpcSettings.from_server_config(cfg.server), tracing, adapters, store
             )
 
         def grace() -> float:

@@ -17,9 +17,6 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from appliance.dialect.chat_output import DialectError
-from appliance.dialect.prompt import render_messages
-from appliance.dialect.tools_prompt import template_text
 from appliance.http import convert
 from appliance.http.body import read_json
 from appliance.http.errors import bad_request, from_engine_error
@@ -34,7 +31,8 @@ from appliance.http.serving import (
     submit,
     until_disconnect,
 )
-from appliance.responses.errors import ResponsesError, not_found
+from appliance.responses import service
+from appliance.responses.errors import ResponsesError
 from appliance.responses.fields import apply_policy
 from appliance.responses.items import new_id
 from appliance.responses.protocol import (
@@ -46,7 +44,7 @@ from appliance.responses.protocol import (
 )
 from appliance.responses.run import ResponseRun
 from appliance.responses.store import ResponseStore, StoredResponse
-from appliance.responses.turn import Parsers, Turn, plan_turn
+from appliance.responses.turn import Parsers, Turn
 
 _INPUT_ITEMS_LIMIT = (1, 100, 20)  # min, max, default
 
@@ -67,46 +65,22 @@ def _policy(data: dict) -> None:
         raise from_engine_error(e) from None
 
 
-def _missing(response_id: str, param: str | None = None) -> ResponsesError:
-    return not_found(f"Response with id {response_id!r:.100} not found.", param)
-
-
 async def _stored(state: AppState, request: Request, response_id: str) -> StoredResponse:
-    rec = await _store(state).get(response_id, _owner(state, request))
-    if rec is None:
-        raise from_engine_error(_missing(response_id))
-    return rec
-
-
-async def _turn(state: AppState, request: Request, req: ResponsesRequest) -> Turn:
-    """The request checked and planned against the response it continues (if any)."""
-    previous = None
-    if req.previous_response_id is not None:
-        previous = await _store(state).get(req.previous_response_id, _owner(state, request))
-        if previous is None:
-            raise from_engine_error(_missing(req.previous_response_id, "previous_response_id"))
-        if previous.response.get("status") == "failed":
-            raise bad_request(
-                f"response {req.previous_response_id!r} failed; continue from another one",
-                "previous_response_id",
-            )
-    parsers = Parsers(state.server.tool_parser, state.server.reasoning_parser)
     try:
-        return plan_turn(req, previous, parsers, template_text(state.aeng.tokenizer))
+        return await service.stored(_store(state), response_id, _owner(state, request))
     except ResponsesError as e:
         raise from_engine_error(e) from None
 
 
-async def _prompt_ids(state: AppState, turn: Turn) -> list[int]:
-    size = sum(1 + len(json.dumps(m)) for m in turn.messages)
+async def _prepare(state: AppState, request: Request, req: ResponsesRequest):  # noqa: ANN202
+    parsers = Parsers(state.server.tool_parser, state.server.reasoning_parser)
     try:
-        return await state.aeng.offload_if_large(
-            size, render_messages, state.aeng.tokenizer, turn.messages, turn.tools,
-            True, False, turn.template_kwargs,
+        return await service.prepare(
+            req, _store(state), _owner(state, request), parsers, state.aeng.tokenizer,
+            state.aeng.offload_if_large,
         )  # fmt: skip
-    except DialectError as e:
-        param = "input" if e.param == "messages" else e.param
-        raise bad_request(str(e), param, e.code) from None
+    except ResponsesError as e:
+        raise from_engine_error(e) from None
 
 
 def _logprob_format(state: AppState, turn: Turn):  # noqa: ANN202 - builder.LogprobFormat
@@ -127,8 +101,7 @@ async def create_response(request: Request) -> Response:
         prepare=_policy,
     )  # fmt: skip
     lora = state.resolve_model(req.model)
-    turn = await _turn(state, request, req)
-    prompt_ids = await _prompt_ids(state, turn)
+    turn, prompt_ids = await _prepare(state, request, req)
     rid = new_id("resp")
     (stream,) = await submit(
         state, [prompt_ids], turn.params, rid, priority=req.priority, arrival_time=arrival,
@@ -201,7 +174,7 @@ async def delete_response(request: Request) -> Response:
     state = state_of(request)
     response_id = request.path_params["response_id"]
     if not await _store(state).delete(response_id, _owner(state, request)):
-        raise from_engine_error(_missing(response_id))
+        raise from_engine_error(service.missing(response_id))
     return JSONResponse(DeletedResponse(id=response_id).model_dump(mode="json"))
 
 
@@ -262,5 +235,5 @@ async def count_input_tokens(request: Request) -> Response:
         prepare=_policy,
     )  # fmt: skip
     state.resolve_model(req.model)
-    ids = await _prompt_ids(state, await _turn(state, request, req))
+    _, ids = await _prepare(state, request, req)
     return JSONResponse(InputTokens(input_tokens=len(ids)).model_dump(mode="json"))

@@ -6,20 +6,15 @@ incomplete and failed responses, retrieval, deletion, input items and ownership 
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import openai
 import pydantic
 import pytest
 
 from appliance.config import ServerConfig
-from appliance.http.app import build_app
 from appliance.responses.store import ResponseStore
-from engine.async_engine import AsyncEngine
-from tests.support.fake_engine import FakeLLMEngine
-from tests.support.waiting import HANG_S
+from tests.support.fake_openai import prompt_text, run_with_fake
 
 TOOLS = [
     {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -30,28 +25,11 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 KEYS = ("key-a", "key-b")
 
 
-def run(fn, replies: list[str], server: ServerConfig | None = None, store=None, key="x"):
-    async def main():
-        fake = FakeLLMEngine()
-        fake.replies = list(replies)
-        aeng = AsyncEngine(fake)
-        app = build_app(aeng, server or ServerConfig(), responses_store=store)
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t/v1")
-
-        client = openai.AsyncOpenAI(
-            base_url="http://t/v1", api_key=key, http_client=http, max_retries=0
-        )
-        try:
-            return await fn(client, fake)
-        finally:
-            await http.aclose()
-            await aeng.shutdown()
-
-    return asyncio.run(asyncio.wait_for(main(), HANG_S))
+def run(fn, replies: list[str], server: ServerConfig | None = None, store=None):
+    return run_with_fake(fn, replies, server, responses_store=store)
 
 
-def _prompt(fake: FakeLLMEngine, i: int) -> str:
-    return fake.tokenizer.decode(fake.requests[i].ids)
+_prompt = prompt_text
 
 
 def _normalized(obj: dict) -> dict:

@@ -123,7 +123,7 @@ def canonical_items(input_: str | list[dict[str, Any]]) -> list[dict]:
     for i, raw in enumerate(input_):
         path = f"input.{i}"
         kind = raw.get("type", "message" if "role" in raw else None)
-        if kind not in _MODELS:
+        if not isinstance(kind, str) or kind not in _MODELS:
             known = ", ".join(ITEM_TYPES)
             if kind is None:
                 raise ResponsesError(

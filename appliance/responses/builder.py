@@ -77,17 +77,16 @@ class OutputBuilder:
         events: list[Event] = []
         piece = self._parser.step(text, finished)
         lps = self._logprobs(logprobs) if self._logprobs and logprobs else []
-        if piece is None:
-            if lps and self._open is not None and self._open.kind == "message":
-                events += self._message_text("", lps)
-            return events
-        if piece.reasoning:
+        if piece is not None and piece.reasoning:
             events += self._reasoning(piece.reasoning)
-        if piece.content:
+        if piece is not None and piece.content:
             events += self._content(piece.content, lps)
-        elif lps:
-            self._blank_logprobs += lps
-        for t in piece.tool_calls:
+        elif lps:  # tokens with no text of their own yet (half a character, say)
+            if self._open is not None and self._open.kind == "message":
+                events += self._message_text("", lps)
+            else:
+                self._blank_logprobs += lps
+        for t in piece.tool_calls if piece is not None else ():
             events += self._call(t.index, t.id, t.name, t.arguments)
         return events
 

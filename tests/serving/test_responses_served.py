@@ -68,3 +68,21 @@ def test_input_over_the_context_is_a_400_naming_input(stack, client):
         client.responses.create(model="tiny", input="word " * 600)
     assert e.value.body["param"] == "input" and e.value.body["code"] == "context_length_exceeded"
     wait_idle_and_free(stack.aeng)
+
+
+def test_logprobs_come_per_token_on_the_text_and_its_deltas(stack, client):
+    kw = dict(model="tiny", input="Hello", temperature=0, max_output_tokens=6, top_logprobs=2,
+              include=["message.output_text.logprobs"], extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.responses.create(**kw)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens == 6
+    assert "".join(lp.token for lp in lps) == r.output_text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in lps)
+    # greedy: the chosen token is the most likely one
+    assert all(lp.top_logprobs[0].token == lp.token for lp in lps)
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    # the same tokens; the values within float noise (the second run hits the prefix cache)
+    assert [lp.token for lp in streamed] == [lp.token for lp in lps]
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in lps], abs=1e-4)
+    wait_idle_and_free(stack.aeng)

@@ -14,7 +14,8 @@ owner reads it as absent, so a response id reveals nothing to another key.
 SQLite calls block, so every operation runs on a worker thread (`asyncio.to_thread`) and
 never on the event loop; one connection serves them in turn under a lock. The file (or
 ":memory:") is opened at construction, and the table is created if missing, so a restart
-finds what was stored before it.
+finds what was stored before it. Several processes on one host may share the file (WAL
+mode, SQLite's own locking): replicas that do serve each other's `previous_response_id`.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class ResponseStore:
         if not self.enabled:
             return
         with self._lock:
-            self._db.execute("BEGIN")
+            self._db.execute("BEGIN IMMEDIATE")  # the write lock first: no upgrade deadlock
             try:
                 self._db.execute(
                     "INSERT OR REPLACE INTO responses (id, owner, created_at, response, "

@@ -5,13 +5,16 @@ block left held."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
 from appliance.config import ServerConfig
 from tests.support.served_stack import Stack, served, tiny_engine, wait_idle_and_free
+from tests.support.waiting import HANG_S
 
 BLOCK = 16
 
@@ -86,3 +89,20 @@ def test_logprobs_come_per_token_on_the_text_and_its_deltas(stack, client):
     assert [lp.token for lp in streamed] == [lp.token for lp in lps]
     assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in lps], abs=1e-4)
     wait_idle_and_free(stack.aeng)
+
+
+def test_a_stream_the_client_leaves_is_aborted_and_not_stored(stack):
+    body = {"model": "tiny", "input": "Tell me a long story.", "max_output_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    rid = None
+    with httpx.Client(timeout=HANG_S) as http:
+        with http.stream("POST", f"{stack.url}/v1/responses", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"response.output_text.delta"' in line:
+                    rid = json.loads(line[6:])["item_id"]
+                    break
+                if line.startswith("data: ") and '"response.created"' in line:
+                    created = json.loads(line[6:])["response"]["id"]
+    assert rid is not None
+    wait_idle_and_free(stack.aeng)  # aborted in the engine, every KV block back
+    assert httpx.get(f"{stack.url}/v1/responses/{created}", timeout=HANG_S).status_code == 404

@@ -91,7 +91,8 @@ class OutputBuilder:
         return events
 
     def finish(self, incomplete: bool) -> list[Event]:
-        """Closes the open item (`incomplete`: generation stopped at max tokens)."""
+        """Closes the open item (`incomplete`: generation stopped before its end, at max
+        tokens or by a failure)."""
         return self._close("incomplete" if incomplete else "completed")
 
     # ---- item kinds -------------------------------------------------------------------

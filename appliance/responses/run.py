@@ -104,7 +104,7 @@ class ResponseRun:
             self.failure = e
         out = stream.output()
         outcome = outcome_of(finish, self.failure, out.error)
-        for ev in self._builder.finish(outcome.status == "incomplete"):
+        for ev in self._builder.finish(outcome.status != "completed"):  # cut short: incomplete
             yield self._numbered(ev)
         self._finish(outcome, stream.counts(), out.outputs[0].token_ids if out.outputs else [])
         if self.stored:

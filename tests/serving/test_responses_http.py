@@ -333,3 +333,17 @@ def test_input_tokens_counts_the_rendered_prompt():
         assert not fake.requests
 
     run(fn, [])
+
+
+def test_reasoning_effort_none_turns_thinking_off():
+    server = ServerConfig(reasoning_parser="qwen3")
+
+    async def fn(client, fake):
+        r = await client.responses.create(
+            model="fake-model", input="2+2?", reasoning={"effort": "none"}
+        )
+        assert [i.type for i in r.output] == ["message"]
+        assert r.output_text == "<think>x</think>4" and r.reasoning.effort == "none"
+        assert r.usage.output_tokens_details.reasoning_tokens == 0
+
+    run(fn, ["<think>x</think>4"], server)

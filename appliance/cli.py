@@ -115,10 +115,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from appliance.adapters import AdapterRegistry
     from appliance.grpc.server import GrpcSettings, start_grpc_server
     from appliance.http.server import EngineDiedError
+    from appliance.responses.store import open_store
     from appliance.telemetry import instrument_app, setup_tracing
 
     tracing = setup_tracing(cfg.telemetry)  # None when telemetry.otlp_endpoint is unset
     adapters = AdapterRegistry(aeng, cfg.lora, aeng.model_name)
+    # One store for HTTP and gRPC (/v1/responses, Respond), opened (and created) now.
+    store = open_store(
+        cfg.responses.store_path, cfg.responses.max_stored, cfg.responses.ttl_s, os.environ
+    )
+    log_event(logger, "responses store", path=store.path, max_stored=store.max_stored)
 
     async def main() -> None:
         try:
@@ -131,12 +137,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 logger, "adapters ready", names=",".join(a.lora_name for a in adapters.adapters())
             )
         app = instrument_app(
-            build_app(aeng, cfg.server, tracing=tracing, adapters=adapters), tracing
+            build_app(aeng, cfg.server, tracing=tracing, adapters=adapters, responses_store=store),
+            tracing,
         )
         grpc_server = None
         if cfg.server.grpc_port is not None:
             grpc_server = await start_grpc_server(
-                aeng, GrpcSettings.from_server_config(cfg.server), tracing, adapters
+                aeng, GrpcSettings.from_server_config(cfg.server), tracing, adapters, store
             )
 
         def grace() -> float:
@@ -159,6 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # The KV disk tier gets what is left of the grace (warm restart).
             left = cfg.server.shutdown_grace_s - (time.monotonic() - began[0]) if began else 0.0
             await aeng.shutdown(grace_s=0, flush_s=max(0.0, left) if aeng.is_healthy else 0.0)
+            store.close()
             if tracing is not None:
                 tracing.shutdown()  # flush spans
 

@@ -31,3 +31,14 @@ def request_cache_salt(
     if user_salt is not None:
         keys.append(user_salt)
     return tuple(keys)
+
+
+def response_owner(api_key: str | bytes | None) -> str:
+    """Who owns a stored response (the Responses API's `store`): a hash of the API key that
+    created it, or "" for a server without keys. The one place ownership is decided: with
+    tenants (`server.tenants`), map the key to its tenant here and every stored response
+    follows (HTTP and gRPC alike)."""
+    if api_key is None:
+        return ""
+    raw = api_key.encode() if isinstance(api_key, str) else api_key
+    return hashlib.sha256(b"appliance response owner\0" + raw).hexdigest()

@@ -196,6 +196,31 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class ResponsesSection:
+    """The Responses API's store (`/v1/responses` with `store: true`, docs/responses.md)."""
+
+    # SQLite file of stored responses; None: responses.sqlite3 under the appliance's cache
+    # directory ($APPLIANCE_CACHE, else ~/.cache/appliance). ":memory:" keeps them in
+    # memory only (lost on restart).
+    store_path: str | None = None
+    # Responses kept at most; past it the oldest are evicted. 0: nothing is stored
+    # (`store: true` answers as `store: false`; previous_response_id finds nothing).
+    max_stored: int = 10000
+    # Seconds a stored response lives; older ones are evicted (and 404). None: no limit.
+    ttl_s: float | None = 30 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.store_path is None or bool(self.store_path),
+            "responses.store_path",
+            'must be a path, ":memory:" or null',
+        )
+        _require(self.max_stored >= 0, "responses.max_stored", "must be >= 0")
+        if self.ttl_s is not None:
+            _require(self.ttl_s > 0, "responses.ttl_s", "must be > 0 or null")
+
+
+@dataclass(frozen=True)
 class TelemetryConfig:
     """Logs, Prometheus and OpenTelemetry export."""
 
@@ -237,6 +262,7 @@ SECTIONS: dict[str, type] = {
     "structured_outputs": StructuredOutputsConfig,
     "speculative": SpeculativeConfig,
     "server": ServerConfig,
+    "responses": ResponsesSection,
     "telemetry": TelemetryConfig,
 }
 
@@ -271,6 +297,7 @@ class AppConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    responses: ResponsesSection = field(default_factory=ResponsesSection)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def engine_config(self) -> EngineConfig:

@@ -27,11 +27,13 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class DialectError(ValueError):
-    """A request the dialect cannot serve: `param` names the field (a 400)."""
+    """A request the dialect cannot serve: `param` names the field, `code` the OpenAI error
+    code (a 400)."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str, code: str = "invalid_value"):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)

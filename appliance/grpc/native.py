@@ -31,8 +31,11 @@ from appliance.grpc.native_chat import (
     dialect_of,
     template_call,
 )
+from appliance.grpc.native_responses import ResponsesRpcs
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
+from appliance.responses.store import ResponseStore, memory_store
+from appliance.responses.turn import Parsers
 from appliance.telemetry import Tracing, record_request_span
 from engine.lora_request import LoRARequest
 from engine.output.request_output import SampleDelta
@@ -104,6 +107,8 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         cache_salt_by_api_key: bool = False,
         chat_parsers: ChatParsers | None = None,
         adapters: AdapterRegistry | None = None,
+        responses_store: ResponseStore | None = None,
+        keyed: bool = False,
     ):
         self._engine = async_engine
         self._model = model_name
@@ -113,6 +118,13 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         self._parsers = chat_parsers or ChatParsers()
         # In-flight Generate calls of this server, for Abort.
         self._active: dict[str, _Call] = {}
+        # Respond, GetResponse, DeleteResponse (`keyed`: the server has API keys, so stored
+        # responses belong to the caller's key).
+        self._responses = ResponsesRpcs(
+            async_engine, model_name, responses_store or memory_store(),
+            Parsers(self._parsers.tool_parser, self._parsers.reasoning_parser),
+            self._adapters, keyed, cache_salt_by_api_key,
+        )  # fmt: skip
 
     # ---- helpers ----------------------------------------------------------------------------
     @property
@@ -347,6 +359,22 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                 )
             )  # fmt: skip
         return pb.ListModelsResponse(models=models)
+
+    async def Respond(
+        self, request: pb.RespondRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RespondEvent]:
+        async for event in self._responses.respond(request, context, self._resolve):
+            yield event
+
+    async def GetResponse(
+        self, request: pb.ResponseRef, context: grpc.aio.ServicerContext
+    ) -> pb.StoredResponse:
+        return await self._responses.get(request, context)
+
+    async def DeleteResponse(
+        self, request: pb.ResponseRef, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteResponseReply:
+        return await self._responses.delete(request, context)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

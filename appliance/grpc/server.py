@@ -27,6 +27,7 @@ from appliance.grpc.native_chat import ChatParsers
 from appliance.grpc.proto._pool import reflection_pool
 from appliance.grpc.proto.appliance.v1 import appliance_pb2, appliance_pb2_grpc
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc
+from appliance.responses.store import ResponseStore
 from appliance.telemetry import Tracing, grpc_server_interceptors
 
 logger = logging.getLogger(__name__)
@@ -124,11 +125,13 @@ async def start_grpc_server(
     settings: GrpcSettings,
     tracing: Tracing | None = None,
     adapters: AdapterRegistry | None = None,
+    responses_store: ResponseStore | None = None,
 ) -> grpc.aio.Server:
     """Builds, binds and starts the server on the running loop; stop it with `server.stop(grace)`.
 
     `adapters` (shared with the HTTP frontend): the LoRA adapters a call may select; none
-    when not given. The bound port (useful with port 0) is set as `server.bound_port`.
+    when not given. `responses_store` (shared with HTTP too): where Respond keeps responses;
+    an in-memory one when not given. The bound port (useful with port 0) is set as `server.bound_port`.
     """
     model = settings.model_name or async_engine.model_name
     adapters = adapters or AdapterRegistry(async_engine, LoRASection(), model)
@@ -148,6 +151,8 @@ async def start_grpc_server(
             settings.cache_salt_by_api_key,
             settings.chat_parsers,
             adapters,
+            responses_store,
+            keyed=bool(settings.api_keys),
         ),  # fmt: skip
         server,
     )

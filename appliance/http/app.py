@@ -22,7 +22,7 @@ from starlette.routing import Route
 from appliance.adapters import AdapterRegistry
 from appliance.config import ServerConfig
 from appliance.config.schema import LoRASection
-from appliance.http import adapters, routes
+from appliance.http import adapters, responses, routes
 from appliance.http.chat import create_chat_completion
 from appliance.http.completions import create_completion
 from appliance.http.errors import (
@@ -42,12 +42,19 @@ from appliance.http.render import render_chat_completion, render_completion
 from appliance.http.serving import AppState
 from appliance.http.tracing_hook import HttpRequestTracer
 from appliance.metrics import ApplianceMetrics
+from appliance.responses.store import ResponseStore, memory_store
 from appliance.telemetry import Tracing
 from engine.async_engine import AsyncEngine
 
 ENDPOINTS = {
     ("POST", "/v1/completions"): create_completion,
     ("POST", "/v1/chat/completions"): create_chat_completion,
+    ("POST", "/v1/responses"): responses.create_response,
+    ("POST", "/v1/responses/input_tokens"): responses.count_input_tokens,
+    ("GET", "/v1/responses/{response_id}"): responses.retrieve_response,
+    ("DELETE", "/v1/responses/{response_id}"): responses.delete_response,
+    ("POST", "/v1/responses/{response_id}/cancel"): responses.cancel_response,
+    ("GET", "/v1/responses/{response_id}/input_items"): responses.list_input_items,
     ("GET", "/v1/models"): routes.list_models,
     ("GET", "/v1/models/{model}"): routes.retrieve_model,
     ("POST", "/v1/load_lora_adapter"): adapters.load_lora_adapter,
@@ -70,9 +77,11 @@ def build_app(
     metrics: ApplianceMetrics | None = None,
     tracing: Tracing | None = None,
     adapters: AdapterRegistry | None = None,
+    responses_store: ResponseStore | None = None,
 ) -> Starlette:
     """An ASGI app serving `aeng`; `metrics` defaults to a fresh per-app registry, `adapters`
-    (shared with the gRPC frontend) to none and no runtime loading."""
+    (shared with the gRPC frontend) to none and no runtime loading, `responses_store` (shared
+    with gRPC too; its owner closes it) to an in-memory store with the default bounds."""
     server = server or ServerConfig()
     version = version or _package_version()
     documented = {(r.method, r.path) for r in ROUTES}
@@ -80,6 +89,7 @@ def build_app(
     adapters = adapters or AdapterRegistry(aeng, LoRASection(), aeng.model_name)
     metrics = metrics or ApplianceMetrics(aeng, adapters=adapters)
     state = AppState(aeng=aeng, server=server, metrics=metrics, version=version, adapters=adapters)
+    state.responses = responses_store or memory_store()
     if tracing is not None:
         state.tracer = HttpRequestTracer(tracing, aeng)
     openapi = build_openapi(version)
@@ -101,7 +111,7 @@ def build_app(
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(server.cors_origins),
-                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                 allow_headers=["Authorization", "Content-Type"],
             )
         )

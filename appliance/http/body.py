@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -129,9 +130,16 @@ def check_unsupported(data: dict[str, Any]) -> None:
 
 
 async def read_json(
-    request: Request, model: type[M], limit: int, timeout_s: float | None = None
+    request: Request,
+    model: type[M],
+    limit: int,
+    timeout_s: float | None = None,
+    prepare: Callable[[dict[str, Any]], None] | None = None,
 ) -> M:
-    """Content type (415), size (413), time (408), JSON syntax (400), fields and types (400)."""
+    """Content type (415), size (413), time (408), JSON syntax (400), fields and types (400).
+
+    `prepare` sees the parsed object before validation (a route's own field policy: it may
+    drop fields or raise an APIError)."""
     if not _content_type_ok(request.headers.get("content-type")):
         raise APIError(
             415,
@@ -151,6 +159,8 @@ async def read_json(
     if _SURROGATE_ESCAPE.search(raw):
         _check_text(data, "")
     check_unsupported(data)
+    if prepare is not None:
+        prepare(data)
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as e:

@@ -28,7 +28,8 @@ from appliance.dialect.chat_output import (
     for_prompt,
     parse_choice,
 )
-from appliance.dialect.tools_prompt import template_inputs, template_text
+from appliance.dialect.prompt import render_messages
+from appliance.dialect.tools_prompt import template_text
 from appliance.http import convert
 from appliance.http.errors import bad_request, from_engine_error
 from appliance.http.middleware import cache_salt_of
@@ -60,17 +61,6 @@ from appliance.http.serving import (
 from engine.output.request_output import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
-
-# chat_template_kwargs the server sets itself, or that would change what rendering returns.
-# `chat_template` is refused as well: a template sent by the client is code the server runs
-# (Jinja's sandbox stops escapes, not `{% for %}` loops nested until the event loop stalls).
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "chat_template", "tokenize", "return_dict", "return_tensors", "tokenizer_kwargs",
-        "return_assistant_tokens_mask", "padding", "truncation", "max_length",
-        "add_generation_prompt", "continue_final_message", "conversation", "messages", "tools",
-    }
-)  # fmt: skip
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -114,37 +104,19 @@ def render_chat(
     template_kwargs: dict | None = None,
     tools: list[dict] | None = None,
 ) -> list[int]:
-    """Prompt token ids from the model's chat template; template failures are a 400.
-
-    `tools` reach the template as `tools=` when it handles them, else through the fallback
-    system prompt (appliance/dialect/tools_prompt.py)."""
-    tok = state.aeng.tokenizer
-    if not tok.has_chat_template():
-        raise bad_request(
-            "this model has no chat template; use /v1/completions", "messages", "no_chat_template"
-        )
-    if add_generation_prompt and continue_final_message:
-        raise bad_request(
-            "add_generation_prompt and continue_final_message cannot both be true",
-            "continue_final_message",
-        )
-    kw = dict(template_kwargs or {})
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kw))
-    if reserved:
-        raise bad_request(
-            f"chat_template_kwargs may not set {reserved[0]!r}",
-            f"chat_template_kwargs.{reserved[0]}",
-        )
-    if continue_final_message:
-        kw["continue_final_message"] = True
-    dicts, tool_kw = template_inputs(messages_to_dicts(messages), tools, tok)
-    kw.update(tool_kw)
+    """Prompt token ids from the model's chat template (appliance/dialect/prompt.py);
+    template failures are a 400."""
     try:
-        return list(
-            tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **kw)
+        return render_messages(
+            state.aeng.tokenizer,
+            messages_to_dicts(messages),
+            tools,
+            add_generation_prompt,
+            continue_final_message,
+            template_kwargs,
         )
-    except Exception as e:  # jinja raise_exception(), bad kwargs, ...
-        raise bad_request(f"chat template failed: {e}", "messages", "invalid_messages") from None
+    except DialectError as e:
+        raise bad_request(str(e), e.param, e.code) from None
 
 
 def dialect_of(state: AppState, req: ChatCompletionRequest) -> ChatDialect:

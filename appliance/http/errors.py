@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from appliance.adapters import AdapterError
+from appliance.responses.errors import ResponsesError
 from engine.errors import (
     ContextLengthError,
     EngineDeadError,
@@ -114,6 +115,8 @@ def from_engine_error(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, AdapterError):
+        return APIError(e.status, e.message, INVALID_REQUEST, e.param, e.code)
+    if isinstance(e, ResponsesError):
         return APIError(e.status, e.message, INVALID_REQUEST, e.param, e.code)
     if isinstance(e, SamplingParamsError):
         return bad_request(str(e), e.param)

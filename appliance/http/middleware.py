@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.http.errors import APIError
 from appliance.metrics import ApplianceMetrics
-from appliance.tenancy import request_cache_salt
+from appliance.tenancy import request_cache_salt, response_owner
 
 logger = logging.getLogger("appliance.http.access")
 
@@ -43,6 +43,12 @@ def cache_salt_of(scope: Scope, user_salt: str | None, by_api_key: bool) -> tupl
     """The request's prefix-cache salt (appliance.tenancy): the client's `cache_salt`, and
     its API key's hash with server.cache_salt_by_api_key (the key AuthMiddleware checked)."""
     return request_cache_salt(user_salt, _bearer(scope), by_api_key)
+
+
+def owner_of(scope: Scope, keyed: bool) -> str:
+    """Who owns the responses this request stores or reads (appliance.tenancy): its API key
+    when the server has keys (`keyed`; AuthMiddleware checked it), else the one owner."""
+    return response_owner(_bearer(scope) if keyed else None)
 
 
 class AuthMiddleware:

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from appliance.http import protocol as p
+from appliance.responses import protocol as rp
 
 _REF = "#/components/schemas/{model}"
 
@@ -38,6 +39,20 @@ ROUTES: tuple[RouteDoc, ...] = (
     RouteDoc("POST", "/v1/chat/completions", p.ChatCompletionRequest, p.ChatCompletionResponse,
              "Chat completion with the model's chat template (SSE when stream is true)", True,
              p.ChatCompletionChunk),
+    RouteDoc("POST", "/v1/responses", rp.ResponsesRequest, rp.ResponseObject,
+             "OpenAI Responses: one response from input items (SSE events when stream is "
+             "true); stored by default (docs/responses.md)", True),
+    RouteDoc("POST", "/v1/responses/input_tokens", rp.ResponsesRequest, rp.InputTokens,
+             "The input token count of a Responses request, generating nothing", True),
+    RouteDoc("GET", "/v1/responses/{response_id}", None, rp.ResponseObject,
+             "A stored response (404: unknown, expired, deleted or another key's)", True),
+    RouteDoc("DELETE", "/v1/responses/{response_id}", None, rp.DeletedResponse,
+             "Delete a stored response", True),
+    RouteDoc("POST", "/v1/responses/{response_id}/cancel", None, rp.ResponseObject,
+             "Cancel a background response (background mode is not served: 400)", True),
+    RouteDoc("GET", "/v1/responses/{response_id}/input_items", None, rp.InputItemList,
+             "The items a stored response answered, earlier turns included (limit, order, "
+             "after)", True),
     RouteDoc("GET", "/v1/models", None, p.ModelList,
              "The served model and its loaded LoRA adapters", True),
     RouteDoc("GET", "/v1/models/{model}", None, p.ModelCard, "One model or adapter", True),
@@ -70,7 +85,7 @@ ROUTES: tuple[RouteDoc, ...] = (
 _ERRORS = {
     "400": "Invalid request (the error's param names the field)",
     "401": "Missing or wrong API key",
-    "404": "Unknown route or model",
+    "404": "Unknown route, model or stored response",
     "413": "Request body too large",
     "415": "Content-Type is not application/json",
     "429": "Waiting queue full; retry later",

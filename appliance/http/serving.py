@@ -37,6 +37,7 @@ from appliance.http.protocol import (
 )
 from appliance.http.tracing_hook import HttpRequestTracer
 from appliance.metrics import ApplianceMetrics
+from appliance.responses.store import ResponseStore
 from engine.async_engine import AsyncEngine
 from engine.lora_request import LoRARequest
 from engine.output.request_output import RequestDelta, RequestOutput
@@ -62,6 +63,8 @@ class AppState:
     shutting_down: bool = False
     # Request spans (None when tracing is off): see appliance/http/tracing_hook.py.
     tracer: HttpRequestTracer | None = None
+    # Stored responses of /v1/responses (build_app makes an in-memory one when none is given).
+    responses: ResponseStore | None = None
     _token_strs: dict[int, str] = field(default_factory=dict)
 
     @property

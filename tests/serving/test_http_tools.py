@@ -5,17 +5,12 @@ request, reasoning split from content."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import openai
 
 from appliance.config import ServerConfig
-from appliance.http.app import build_app
-from engine.async_engine import AsyncEngine
-from tests.support.fake_engine import FakeLLMEngine
-from tests.support.waiting import HANG_S
+from tests.support.fake_openai import prompt_text, run_with_fake
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -26,26 +21,10 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 def run(fn, replies: list[str], server: ServerConfig | None = None):
-    async def main():
-        fake = FakeLLMEngine()
-        fake.replies = list(replies)
-        aeng = AsyncEngine(fake)
-        app = build_app(aeng, server or ServerConfig())
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t/v1")
-        client = openai.AsyncOpenAI(
-            base_url="http://t/v1", api_key="x", http_client=http, max_retries=0
-        )
-        try:
-            return await fn(client, fake)
-        finally:
-            await http.aclose()
-            await aeng.shutdown()
-
-    return asyncio.run(asyncio.wait_for(main(), HANG_S))
+    return run_with_fake(fn, replies, server)
 
 
-def _prompt(fake: FakeLLMEngine, i: int) -> str:
-    return fake.tokenizer.decode(fake.requests[i].ids)
+_prompt = prompt_text
 
 
 def test_full_tool_loop_non_streamed():

@@ -60,7 +60,9 @@ def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     tmp = tmp_path_factory.mktemp("router")
     replicas: list[Replica] = []
     router = None
-    sets = {"model.max_model_len": 256, "cache.num_kv_blocks": 64}
+    # One Responses store file for both replicas (one host): each continues the other's.
+    sets = {"model.max_model_len": 256, "cache.num_kv_blocks": 64,
+            "responses.store_path": str(tmp / "responses.sqlite3")}  # fmt: skip
     try:
         # Both replicas load at once (each is one process with one torch thread).
         with ThreadPoolExecutor(2) as pool:
@@ -154,6 +156,25 @@ def test_unrelated_prompts_spread_over_both_replicas(cluster: Cluster) -> None:
             t.join(HANG_S)
     assert all(n >= 1 for n in held), f"in flight per replica: {held}"
     assert results == dict.fromkeys(range(len(DISTINCT)), 200), results
+
+
+def test_replicas_sharing_a_store_file_continue_each_others_responses(cluster: Cluster) -> None:
+    first, other = cluster.replicas
+    body = {"input": "The capital of France is Paris.", "max_output_tokens": 3, "temperature": 0}
+    r0 = httpx.post(f"{first.url}/v1/responses", json=body, timeout=HANG_S).json()
+    # the other replica reads it and continues it; so does whichever the router picks
+    assert httpx.get(f"{other.url}/v1/responses/{r0['id']}", timeout=HANG_S).status_code == 200
+    prev = r0["id"]
+    for url in [other.url] + [cluster.router.url] * 3:
+        nxt = {**body, "input": "And then?", "previous_response_id": prev}
+        r = httpx.post(f"{url}/v1/responses", json=nxt, timeout=HANG_S)
+        assert r.status_code == 200, f"{r.status_code} {r.text}\n{cluster.router.log_tail()}"
+        prev = r.json()["id"]
+    items = httpx.get(f"{first.url}/v1/responses/{prev}/input_items", params={"limit": 100},
+                      timeout=HANG_S).json()["data"]  # fmt: skip
+    # the five inputs (and whatever text the four answers before the last had), newest first
+    users = [i["content"][0]["text"] for i in items if i["role"] == "user"]
+    assert users == ["And then?"] * 4 + [body["input"]]
 
 
 def test_a_killed_replica_is_routed_around(cluster: Cluster) -> None:

@@ -206,12 +206,13 @@ class ServeProcess:
 
 
 def tiny_serve_sets(model_dir: Path, grpc: bool = True, **overrides: Any) -> list[str]:
-    """`--set` arguments for the tiny checkpoint on free ports, JSON logs."""
+    """`--set` arguments for the tiny checkpoint on free ports, JSON logs, the Responses
+    store in memory (nothing written under the user's cache directory)."""
     sets = {
         "model.path": str(model_dir), "model.max_model_len": 128, "model.served_name": "tiny",
         "cache.num_kv_blocks": 256, "runtime.device": "cpu", "runtime.num_threads": 1,
         "server.http_port": 0, "server.grpc_port": 0 if grpc else "null",
-        "telemetry.log_format": "json", **overrides,
+        "telemetry.log_format": "json", "responses.store_path": ":memory:", **overrides,
     }  # fmt: skip
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 

@@ -59,6 +59,21 @@ class ApplianceStub:
                 request_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.AbortRequest.SerializeToString,
                 response_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Respond = channel.unary_stream(
+                '/appliance.v1.Appliance/Respond',
+                request_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.RespondRequest.SerializeToString,
+                response_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.RespondEvent.FromString,
+                _registered_method=True)
+        self.GetResponse = channel.unary_unary(
+                '/appliance.v1.Appliance/GetResponse',
+                request_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.ResponseRef.SerializeToString,
+                response_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.StoredResponse.FromString,
+                _registered_method=True)
+        self.DeleteResponse = channel.unary_unary(
+                '/appliance.v1.Appliance/DeleteResponse',
+                request_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.ResponseRef.SerializeToString,
+                response_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.DeleteResponseReply.FromString,
+                _registered_method=True)
 
 
 class ApplianceServicer:
@@ -98,6 +113,29 @@ class ApplianceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Respond(self, request, context):
+        """The OpenAI Responses API (docs/responses.md): the request body of POST /v1/responses as
+        JSON, answered with the events of its stream, one message each (a non-streamed client
+        reads the last: its `response` is the whole Response). Same field policy, store and
+        ownership (the API key) as HTTP.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetResponse(self, request, context):
+        """A stored response (NOT_FOUND: unknown, expired, deleted or another key's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteResponse(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ApplianceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +163,21 @@ def add_ApplianceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.AbortRequest.FromString,
                     response_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.AbortResponse.SerializeToString,
+            ),
+            'Respond': grpc.unary_stream_rpc_method_handler(
+                    servicer.Respond,
+                    request_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.RespondRequest.FromString,
+                    response_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.RespondEvent.SerializeToString,
+            ),
+            'GetResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResponse,
+                    request_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.ResponseRef.FromString,
+                    response_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.StoredResponse.SerializeToString,
+            ),
+            'DeleteResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteResponse,
+                    request_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.ResponseRef.FromString,
+                    response_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.DeleteResponseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +315,87 @@ class Appliance:
             '/appliance.v1.Appliance/Abort',
             appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.AbortRequest.SerializeToString,
             appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Respond(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/appliance.v1.Appliance/Respond',
+            appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.RespondRequest.SerializeToString,
+            appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.RespondEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/appliance.v1.Appliance/GetResponse',
+            appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.ResponseRef.SerializeToString,
+            appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.StoredResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/appliance.v1.Appliance/DeleteResponse',
+            appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.ResponseRef.SerializeToString,
+            appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.DeleteResponseReply.FromString,
             options,
             channel_credentials,
             insecure,

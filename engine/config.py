@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
+MODEL_TASKS = ("auto", "generate", "embed")
+POOLING_METHODS = ("last", "mean", "cls")
 
 
 class ConfigError(ValueError):
@@ -46,11 +48,28 @@ class ModelConfig:
     # None: the checkpoint's max_position_embeddings.
     max_model_len: int | None = None
     seed: int = 0
+    # generate | embed | auto (a sentence-transformers directory or a bare decoder such as
+    # Qwen3Model embeds, anything else generates). See engine/worker/pooling/spec.py.
+    task: str = "auto"
+    # Embedding models: override the checkpoint's pooling (last | mean | cls) and its
+    # normalization; None keeps what the checkpoint declares.
+    pooling: str | None = None
+    normalize: bool | None = None
+    # Embedding models: allow `dimensions` below the full width (Matryoshka); None: as the
+    # checkpoint's config.json says (is_matryoshka / matryoshka_dimensions).
+    is_matryoshka: bool | None = None
 
     def __post_init__(self) -> None:
         _require(
             self.dtype in SUPPORTED_DTYPES, "model.dtype", f"must be one of {SUPPORTED_DTYPES}"
         )
+        _require(self.task in MODEL_TASKS, "model.task", f"must be one of {MODEL_TASKS}")
+        if self.pooling is not None:
+            _require(
+                self.pooling in POOLING_METHODS,
+                "model.pooling",
+                f"must be one of {POOLING_METHODS} or null",
+            )
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "model.max_model_len", "must be >= 1")
 

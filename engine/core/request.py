@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.lora_request import LoRARequest
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -73,7 +74,10 @@ class Request:
         lora_request: LoRARequest | None = None,
         lora_key: bytes | None = None,
         lora: object | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
+        """`pooling_params`: a prefill-only (embedding) request; its `sampling_params` are
+        then a default nothing reads, and it finishes when its prompt is computed."""
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
         self.request_id = request_id
@@ -102,6 +106,7 @@ class Request:
         self.fork_from = fork_from
         # The compiled structured-outputs grammar (opaque here: the runner's type), or None.
         self.grammar = grammar
+        self.pooling_params = pooling_params
         # Effective output cap: sampling_params.max_tokens clipped to the context left.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.output_token_ids: list[int] = []
@@ -133,11 +138,25 @@ class Request:
         return self.status.is_finished
 
     @property
+    def prefill_only(self) -> bool:
+        """An embedding request: its prompt runs through the model once, nothing is
+        sampled, and it finishes (its blocks freed) when the runner returns its vector."""
+        return self.pooling_params is not None
+
+    @property
     def skips_prefix_cache_reads(self) -> bool:
         """True when every prompt token must go through the model: prompt logprobs come
         out of the forward pass, and a prompt block served from the prefix cache is never
-        computed. Its blocks are still cached for others (their K/V are the same)."""
-        return self.sampling_params.prompt_logprobs is not None
+        computed. Its blocks are still cached for others (their K/V are the same), unless
+        it is prefill-only (see `writes_prefix_cache`). Pooling reads every prompt token's
+        hidden state, so a prefill-only request skips the reads too."""
+        return self.sampling_params.prompt_logprobs is not None or self.pooling_params is not None
+
+    @property
+    def writes_prefix_cache(self) -> bool:
+        """False for a prefill-only request: its KV is dropped when it finishes, so its
+        blocks are never registered in the prefix cache (nor offered to any KV tier)."""
+        return self.pooling_params is None
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -30,6 +30,11 @@ that last token, copying the shared partial block first.
 
 LoRA: with `max_loras` set, the running requests use at most that many distinct adapters
 (see adapter_slots.py).
+
+Prefill-only (embedding) requests are scheduled like any prompt (chunked, under the same
+budget) but never sample: once their whole prompt is scheduled they get no more tokens,
+and they finish when the runner returns their pooled vector (`RunnerOutput.pooled`),
+their blocks freed in that step. Their blocks are never registered in the prefix cache.
 """
 
 from __future__ import annotations
@@ -132,13 +137,19 @@ class Scheduler:
         """
         admission.check_new_id(request.request_id, self.requests)
         kv = self.kv_manager
-        request.max_tokens = admission.fit_lengths(
-            request.num_prompt_tokens,
-            request.max_tokens,
-            self.max_model_len,
-            kv.block_size,
-            kv.num_blocks,
-        )
+        if request.prefill_only:
+            admission.fit_prompt(
+                request.num_prompt_tokens, self.max_model_len, kv.block_size, kv.num_blocks
+            )
+            request.max_tokens = 0
+        else:
+            request.max_tokens = admission.fit_lengths(
+                request.num_prompt_tokens,
+                request.max_tokens,
+                self.max_model_len,
+                kv.block_size,
+                kv.num_blocks,
+            )
         admission.check_queue_room(len(self.waiting), 1, self.config.max_queue_len)
         request.status = _WAITING
         self.requests[request.request_id] = request
@@ -364,6 +375,7 @@ class Scheduler:
                     start,
                     req.grammar,
                     req.lora,
+                    req.pooling_params,
                 )
             )
             req.num_computed_tokens = start + num_scheduled[rid]
@@ -418,9 +430,25 @@ class Scheduler:
                 times.first_token = now
             times.last_token = now
             updated.append(req)
+        if runner_output.pooled:
+            any_finished |= self._finish_pooled(runner_output.pooled, now, updated)
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return updated
+
+    def _finish_pooled(self, pooled: dict[str, list[float]], now: float, updated: list) -> bool:
+        """Finishes the prefill-only requests whose vector came back (stopped: the prompt
+        is all they had); appends them to `updated`. True if any finished."""
+        done = False
+        for rid in pooled:
+            req = self.requests.get(rid)
+            if req is None or req.status is not _RUNNING:
+                continue  # aborted meanwhile: its vector is dropped
+            req.status = RequestStatus.FINISHED_STOPPED
+            self._finish(req, now, in_batch=True)
+            updated.append(req)
+            done = True
+        return done
 
     def _append_until_stop(self, req: Request, token_ids: list[int]) -> bool:
         """Appends several tokens (speculative decoding), dropping any after a stop."""

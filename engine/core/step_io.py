@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -38,6 +39,9 @@ class NewRequestData:
     # The request's LoRA adapter weights, passed through untouched (the runner's type), or
     # None for the base model.
     lora: object | None = None
+    # Set for a prefill-only (embedding) request: it samples nothing, and the runner
+    # answers with its pooled vector once its whole prompt is computed.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -107,3 +111,7 @@ class RunnerOutput:
     # request_id -> why it could not sample (its masks left no token): not in req_ids; the
     # engine ends it with this error.
     failed: dict[str, str] = field(default_factory=dict)
+    # request_id -> its embedding, for each prefill-only request whose prompt was completed
+    # this step (pooled, truncated to its `dimensions`, normalized as asked). Plain floats:
+    # nothing but lists crosses back (1,024 floats cost ~10 us to convert).
+    pooled: dict[str, list[float]] = field(default_factory=dict)

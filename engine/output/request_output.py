@@ -60,6 +60,35 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Set when the request failed inside the engine (finish_reason "error").
     error: str | None = None
+    # A prefill-only (embedding) request's vector, once it finished.
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's embedding (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per input, shaped like vLLM's (`out.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> EmbeddingRequestOutput:
+        if out.embedding is None:
+            raise ValueError(f"request {out.request_id!r} has no embedding ({out.error})")
+        return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding))
 
 
 @dataclass
@@ -88,6 +117,7 @@ class RequestDelta:
     metrics: RequestMetrics | None = None  # on the first and the last delta
     error: str | None = None  # the request failed inside the engine
     error_is_request: bool = False  # ... because of its own parameters (a 400, not a 500)
+    embedding: list[float] | None = None  # a prefill-only request's vector, on its last delta
 
 
 class _SampleSum:
@@ -137,6 +167,7 @@ class OutputAccumulator:
         self.metrics: RequestMetrics | None = None
         self.error: str | None = None
         self.error_is_request = False
+        self.embedding: list[float] | None = None
         self.finished = False
         self.num_output_tokens = 0  # over all samples
 
@@ -148,6 +179,8 @@ class OutputAccumulator:
             self.metrics = delta.metrics
         if delta.error is not None:
             self.error, self.error_is_request = delta.error, delta.error_is_request
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         self.finished = self.finished or delta.finished
         for d in delta.outputs:
             s = self._samples.get(d.index)
@@ -183,6 +216,7 @@ class OutputAccumulator:
             prompt_logprobs=self.prompt_logprobs,
             metrics=self.metrics,
             error=self.error,
+            embedding=self.embedding,
         )
 
     def delta(self) -> RequestDelta:
@@ -210,6 +244,7 @@ class OutputAccumulator:
             metrics=self.metrics,
             error=self.error,
             error_is_request=self.error_is_request,
+            embedding=self.embedding,
         )
 
     def _sorted(self) -> list[_SampleSum]:

@@ -29,9 +29,10 @@ from engine.worker.cpu_features import Bf16Support, native_bf16
 from engine.worker.models.default_model import default_model_gguf
 from engine.worker.models.gguf_loader import convert_gguf
 from engine.worker.models.parallel import TensorParallel
-from engine.worker.models.registry import get_model_class
+from engine.worker.models.registry import resolve_architecture
 from engine.worker.models.rope import RotaryEmbedding
 from engine.worker.models.sharding import CheckpointSlice
+from engine.worker.pooling.spec import PoolingSpec, read_pooling_spec, resolve_task
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ class LoadedModel:
     model_dir: Path  # directory holding config.json and the tokenizer files
     dtype: torch.dtype
     generation_config: dict[str, Any] = field(default_factory=dict)
+    # generate, or embed (no LM head; `pooling` says how its hidden states become a vector).
+    task: str = "generate"
+    pooling: PoolingSpec | None = None
 
 
 def find_model_source(path: str | None, hf_cache_dir: str | Path | None = None) -> Path:
@@ -229,13 +233,17 @@ def read_generation_config(model_dir: Path, hf_config: Any) -> dict[str, Any]:
 
 
 def build_model(
-    hf_config: Any, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+    lm_head: bool = True,
 ) -> nn.Module:
     """Our model class for the config (this rank's shard under `tp`), uninitialized on
-    `device` (rope tables computed)."""
-    cls = get_model_class(getattr(hf_config, "architectures", None) or [])
+    `device` (rope tables computed); `lm_head` False: the decoder alone (embeddings)."""
+    cls = resolve_architecture(getattr(hf_config, "architectures", None) or []).cls
     with torch.device("meta"):
-        model = cls(hf_config) if tp is None else cls(hf_config, tp)
+        model = cls(hf_config, tp, lm_head=lm_head)
     model = model.to(dtype=dtype).to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -271,11 +279,17 @@ def load_model(
     model_dir = resolve_model_path(model_config.path)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     resolve_max_model_len(model_config, hf_config)  # a bad setting fails before the load
+    arch = resolve_architecture(getattr(hf_config, "architectures", None) or [])
+    task = resolve_task(model_config.task, model_dir, arch.name, arch.bare)
+    pooling = read_pooling_spec(model_dir, hf_config, model_config) if task == "embed" else None
     choice = resolve_dtype(model_config.dtype, hf_config, device)
     logger.info("%s", choice)
+    if pooling is not None:
+        logger.info("task embed: %s", pooling)
     dtype = choice.dtype
-    model = build_model(hf_config, dtype, device, tp)
-    model.load_weights(iter_weights(model_dir, device, model.checkpoint_slice, progress))
+    model = build_model(hf_config, dtype, device, tp, lm_head=task == "generate")
+    weights = iter_weights(model_dir, device, model.checkpoint_slice, progress)
+    model.load_weights(weights if task == "generate" else decoder_names(weights))
     model.eval().requires_grad_(False)
     logger.info(
         "loaded %s (%s, %s) on %s in %.1f s",
@@ -291,4 +305,17 @@ def load_model(
         model_dir=model_dir,
         dtype=dtype,
         generation_config=read_generation_config(model_dir, hf_config),
+        task=task,
+        pooling=pooling,
     )
+
+
+def decoder_names(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A bare decoder's tensors (`layers.0...`, as sentence-transformers saves them) under
+    the causal LM's names (`model.layers.0...`); names already prefixed pass through."""
+    for name, tensor in weights:
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
+        yield name, tensor

@@ -71,11 +71,11 @@ from engine.errors import (
 )
 from engine.lora_request import LoRARequest
 from engine.output.request_output import OutputAccumulator, RequestDelta, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.request_stream import (  # FinishedRequest and RequestStream are re-exported
     FinishedRequest,
     RequestStream,
 )
-from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.stepped_engine import SteppedEngine
 

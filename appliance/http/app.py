@@ -25,6 +25,7 @@ from appliance.config.schema import LoRASection
 from appliance.http import adapters, routes
 from appliance.http.chat import create_chat_completion
 from appliance.http.completions import create_completion
+from appliance.http.embeddings import create_embedding
 from appliance.http.errors import (
     APIError,
     api_error_handler,
@@ -48,6 +49,7 @@ from engine.async_engine import AsyncEngine
 ENDPOINTS = {
     ("POST", "/v1/completions"): create_completion,
     ("POST", "/v1/chat/completions"): create_chat_completion,
+    ("POST", "/v1/embeddings"): create_embedding,
     ("GET", "/v1/models"): routes.list_models,
     ("GET", "/v1/models/{model}"): routes.retrieve_model,
     ("POST", "/v1/load_lora_adapter"): adapters.load_lora_adapter,

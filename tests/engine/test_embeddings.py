@@ -11,6 +11,7 @@ swapped the method or dropped the normalization would miss the tolerance.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 from engine import LLM, PoolingParams, SamplingParams
 from engine.config import ConfigError
 from engine.errors import ContextLengthError, InvalidRequestError
-from tests.support.tiny_embedders import make_tiny_embedder, st_encode, st_pooled_unnormalized
+from tests.support.tiny_embedders import st_encode, st_pooled_unnormalized
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -35,19 +36,8 @@ MAX_MODEL_LEN = 128
 
 
 @pytest.fixture(scope="session")
-def embedder(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`embedder(arch, pooling, **kw)`: a tiny sentence-transformers directory, cached."""
-    root = tmp_path_factory.mktemp("tiny_embedders")
-    cache: dict[str, Path] = {}
-
-    def build(arch: str = "qwen3", pooling: str = "last", **kw: Any) -> Path:
-        key = json.dumps([arch, pooling, kw], sort_keys=True)
-        if key not in cache:
-            cache[key] = make_tiny_embedder(root / f"{arch}-{pooling}-{len(cache)}", arch,
-                                            pooling, **kw)  # fmt: skip
-        return cache[key]
-
-    return build
+def embedder(tiny_embedder: Callable[..., Path]) -> Callable[..., Path]:
+    return tiny_embedder
 
 
 def make_llm(model_dir: Path, **kw: Any) -> LLM:
@@ -213,8 +203,6 @@ def test_bare_decoder_cannot_generate_and_unsupported_modules_are_refused(embedd
     model_dir = embedder("llama", "last")
     with pytest.raises(ConfigError, match="model.task: generate needs an LM head"):
         make_llm(model_dir, task="generate")
-    import shutil
-
     bad = tmp_path / "dense"
     shutil.copytree(model_dir, bad)
     modules = json.loads((bad / "modules.json").read_text())

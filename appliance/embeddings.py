@@ -70,24 +70,30 @@ async def embed_all(
     *,
     priority: int = 0,
     arrival_time: float | None = None,
-    on_added: Callable[[str], None] | None = None,
+    trace: tuple[Callable[[str], None], Callable[[str], None]] | None = None,
 ) -> list[RequestOutput]:
     """Every input's output (its `embedding` set), in order. Engine request ids are
-    `base_id` (one input) or `base_id-i`; `on_added(id)` runs as each is queued (tracing).
-    An error names the input: `input[i]` for a batch. Cancelling aborts them all."""
+    `base_id` (one input) or `base_id-i`. `trace`: (register, forget) of a request tracer:
+    each id is registered before it is queued (a short input may finish before the add
+    returns), and forgotten if it never was. An error names the input: `input[i]` for a
+    batch. Cancelling aborts them all."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(inputs):
             rid = base_id if len(inputs) == 1 else f"{base_id}-{i}"
+            if trace is not None:
+                trace[0](rid)
             try:
                 stream = await aeng.add_request(
                     prompt, params, rid, priority=priority, arrival_time=arrival_time
                 )
-            except InvalidRequestError as e:
-                raise _for_input(e, i, len(inputs)) from None
+            except BaseException as e:
+                if trace is not None:
+                    trace[1](rid)
+                if isinstance(e, InvalidRequestError):
+                    raise _for_input(e, i, len(inputs)) from None
+                raise
             streams.append(stream)
-            if on_added is not None:
-                on_added(rid)
         return list(await asyncio.gather(*(s.result() for s in streams)))
     finally:
         for s in streams:

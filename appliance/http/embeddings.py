@@ -54,16 +54,13 @@ async def create_embedding(request: Request) -> Response:
         )
         inputs = embeddings.inputs_of(req.input)
         embeddings.check_inputs(inputs, aeng.config.scheduler.max_queue_len)
-        tracer = state.tracer
-        on_added = (
-            (lambda r: tracer.register(r, dict(request.headers), params, "embeddings"))
-            if tracer is not None
-            else None
-        )
+        tracer, headers = state.tracer, dict(request.headers)
+        trace = None
+        if tracer is not None:
+            trace = (lambda r: tracer.register(r, headers, params, "embeddings"), tracer.forget)
         call = embeddings.embed_all(
-            aeng, inputs, params, rid, priority=req.priority, arrival_time=arrival,
-            on_added=on_added,
-        )  # fmt: skip
+            aeng, inputs, params, rid, priority=req.priority, arrival_time=arrival, trace=trace
+        )
         outs = await until_disconnect(request, call, [])
     except ClientGone:
         return Response(status_code=499)

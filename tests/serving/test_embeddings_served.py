@@ -259,3 +259,33 @@ def test_a_generation_model_refuses_embeddings_on_http_and_grpc():
     finally:
         h.close()
     asyncio.set_event_loop(None)
+
+
+# ---- spans ------------------------------------------------------------------------------------
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
+
+
+def test_each_embedding_input_is_an_embeddings_span_under_the_callers_trace(served):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from appliance.telemetry import TracingSettings, setup_tracing
+
+    exporter = InMemorySpanExporter()
+    tracing = setup_tracing(TracingSettings(otlp_endpoint="unused"), exporter=exporter)
+    with BackgroundServer(build_app(served.aeng, ServerConfig(), tracing=tracing)) as srv:
+        r = httpx.post(f"{srv.url}/v1/embeddings", json={"input": TEXTS[:2]},
+                       headers={"traceparent": TRACEPARENT})  # fmt: skip
+    assert r.status_code == 200
+    tracing.force_flush()
+    spans = sorted(exporter.get_finished_spans(), key=lambda s: s.attributes["gen_ai.response.id"])
+    assert [s.name for s in spans] == ["embeddings emb", "embeddings emb"]
+    for s, text in zip(spans, TEXTS[:2], strict=True):
+        a = s.attributes
+        assert f"{s.context.trace_id:032x}" == TRACE_ID
+        assert a["gen_ai.operation.name"] == "embeddings"
+        assert a["gen_ai.usage.input_tokens"] == len(served.aeng.tokenizer.encode(text))
+        assert a["gen_ai.embeddings.dimension.count"] == 64
+        assert "gen_ai.usage.output_tokens" not in a and "gen_ai.request.temperature" not in a
+        assert a["gen_ai.latency.time_in_queue"] >= 0 and a["gen_ai.latency.e2e"] > 0
+    tracing.shutdown()

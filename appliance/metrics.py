@@ -297,15 +297,40 @@ class ApplianceMetrics:
             ["route", "status"],
             registry=r,
         )
+        # Embedding models: every request is one embedding input (prefill only).
+        self._embeds = aeng.task == "embed"
+        self.inference_time = Histogram(
+            f"{PREFIX}_request_inference_time_seconds",
+            "First scheduled to finished (an embedding input: its prefill).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.embedding_inputs = Counter(
+            f"{PREFIX}_embedding_inputs",
+            "Embedding inputs that left the engine, by outcome.",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.embedding_prompt_tokens = Counter(
+            f"{PREFIX}_embedding_prompt_tokens",
+            "Prompt tokens of the embedding inputs that finished.",
+            registry=r,
+        )
         r.register(_EngineCollector(aeng, adapters))
         aeng.add_finish_listener(self.on_finished)
 
     def on_finished(self, f: FinishedRequest) -> None:
         """Runs on the engine thread (prometheus_client metrics are thread-safe)."""
         self.requests_finished.labels(f.finish_reason).inc()
+        if self._embeds:
+            self.embedding_inputs.labels(f.finish_reason).inc()
+            if f.finish_reason == "stop":
+                self.embedding_prompt_tokens.inc(f.num_prompt_tokens)
         m = f.metrics
         if m is None:
             return
+        if m.first_scheduled_time is not None and m.finished_time is not None:
+            self.inference_time.observe(max(0.0, m.finished_time - m.first_scheduled_time))
         if m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
             # Per sequence: with n > 1 the samples decode side by side.

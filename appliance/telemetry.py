@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.output.request_output import RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -151,14 +152,15 @@ def record_request_span(
     *,
     operation: str,
     model: str,
-    params: SamplingParams,
+    params: SamplingParams | PoolingParams | None,
     request_id: str | None = None,
     error: str | None = None,
     aborted: bool = False,
 ) -> None:
     """Records one finished (or aborted / failed) request as a span, from engine timestamps.
 
-    `operation` is the GenAI operation name: "chat", "text_completion" or "generate_content".
+    `operation` is the GenAI operation name: "chat", "text_completion", "generate_content"
+    or "embeddings" (with `PoolingParams`: no sampling attributes, no output tokens).
     `output` is the last RequestOutput the frontend saw (None if the request never started).
     A no-op when `tracing` is None.
     """
@@ -204,7 +206,7 @@ def request_attributes(
     *,
     operation: str,
     model: str,
-    params: SamplingParams,
+    params: SamplingParams | PoolingParams | None,
     request_id: str | None = None,
     aborted: bool = False,
 ) -> dict[str, Any]:
@@ -213,17 +215,9 @@ def request_attributes(
         "gen_ai.operation.name": operation,
         "gen_ai.request.model": model,
         "gen_ai.response.model": model,
-        "gen_ai.request.temperature": float(params.temperature),
-        "gen_ai.request.top_p": float(params.top_p),
     }
-    if params.max_tokens is not None:
-        attrs["gen_ai.request.max_tokens"] = int(params.max_tokens)
-    if params.top_k:
-        attrs["gen_ai.request.top_k"] = int(params.top_k)
-    if params.seed is not None:
-        attrs["gen_ai.request.seed"] = int(params.seed)
-    if params.n != 1:
-        attrs["gen_ai.request.choice.count"] = int(params.n)
+    if isinstance(params, SamplingParams):
+        _sampling_attributes(params, attrs)
     rid = request_id or (output.request_id if output is not None else None)
     if rid:
         attrs["gen_ai.response.id"] = rid
@@ -234,7 +228,10 @@ def request_attributes(
         reasons = ["error"] * len(output.outputs)
     attrs["gen_ai.response.finish_reasons"] = reasons
     attrs["gen_ai.usage.input_tokens"] = len(output.prompt_token_ids)
-    attrs["gen_ai.usage.output_tokens"] = sum(len(c.token_ids) for c in output.outputs)
+    if output.embedding is not None:
+        attrs["gen_ai.embeddings.dimension.count"] = len(output.embedding)
+    elif not isinstance(params, PoolingParams):
+        attrs["gen_ai.usage.output_tokens"] = sum(len(c.token_ids) for c in output.outputs)
     m = output.metrics
     if m is None:
         return attrs
@@ -258,6 +255,19 @@ def request_attributes(
         attrs["appliance.spec_decode.num_draft_tokens"] = m.spec_num_draft_tokens
         attrs["appliance.spec_decode.num_accepted_tokens"] = m.spec_num_accepted_tokens
     return attrs
+
+
+def _sampling_attributes(params: SamplingParams, attrs: dict[str, Any]) -> None:
+    attrs["gen_ai.request.temperature"] = float(params.temperature)
+    attrs["gen_ai.request.top_p"] = float(params.top_p)
+    if params.max_tokens is not None:
+        attrs["gen_ai.request.max_tokens"] = int(params.max_tokens)
+    if params.top_k:
+        attrs["gen_ai.request.top_k"] = int(params.top_k)
+    if params.seed is not None:
+        attrs["gen_ai.request.seed"] = int(params.seed)
+    if params.n != 1:
+        attrs["gen_ai.request.choice.count"] = int(params.n)
 
 
 def instrument_app(app: Any, tracing: Tracing | None) -> Any:

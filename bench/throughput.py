@@ -121,7 +121,15 @@ def _kill_live_peers() -> None:
 class PeerProc:
     """One engine's subprocess speaking the bench/peers/base.py protocol."""
 
-    def __init__(self, engine: str, python: str, spec: dict[str, Any], args: argparse.Namespace):
+    def __init__(
+        self,
+        engine: str,
+        python: str,
+        spec: dict[str, Any],
+        args: argparse.Namespace,
+        script: Path | None = None,
+    ):
+        """`script`: the peer program (default: bench/peers/<engine>_peer.py)."""
         self.engine, self.args = engine, args
         self.tmp = tempfile.TemporaryDirectory(prefix=f"bench-{engine}-")
         spec_path = Path(self.tmp.name) / "spec.json"
@@ -133,7 +141,7 @@ class PeerProc:
         if engine == "vllm":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(args.kv_gib))))
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
-        cmd = [python, str(PEER_SCRIPTS[engine]), str(spec_path), str(self.out_path)]
+        cmd = [python, str(script or PEER_SCRIPTS[engine]), str(spec_path), str(self.out_path)]
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(
             cmd, cwd=str(ROOT), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -224,8 +232,10 @@ class PeerProc:
 
 
 def run_engines(engines: list[str], pythons: dict, spec: dict[str, Any],
-                args: argparse.Namespace, label: str) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """All engines on one spec; interleaved repeats unless --sequential. Raw results."""
+                args: argparse.Namespace, label: str,
+                scripts: dict[str, Path] | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """All engines on one spec; interleaved repeats unless --sequential. Raw results.
+    `scripts`: engine -> peer program, for benchmarks with their own (bench/embeddings.py)."""
     results: dict[str, dict[str, Any]] = {}
     runnable = []
     for e in engines:
@@ -241,7 +251,7 @@ def run_engines(engines: list[str], pythons: dict, spec: dict[str, Any],
             s["extra"] = json.loads(args.ours_extra)
         log(f"{label} / {e}: loading ...")
         try:
-            return PeerProc(e, python, s, args)
+            return PeerProc(e, python, s, args, (scripts or {}).get(e))
         except OSError as exc:  # e.g. a --vllm-python that does not exist
             results[e] = {"engine": e, "ok": False, "error": f"cannot start {python}: {exc}"}
             log(f"{label} / {e}: FAILED: {results[e]['error']}")

@@ -5,16 +5,19 @@ load on first use, so `import engine` stays cheap for the torch-free core.
 """
 
 from engine.lora_request import LoRARequest
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "LLMEngine",
     "LoRARequest",
+    "PoolingParams",
     "SamplingParams",
     "StructuredOutputsParams",
     "BeamSearchParams",
     "RequestOutput",
+    "EmbeddingRequestOutput",
 ]
 
 
@@ -27,7 +30,7 @@ def __getattr__(name: str):
         from engine.llm_engine import LLMEngine
 
         return LLMEngine
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput"):
         from engine.output import request_output
 
         return getattr(request_output, name)

@@ -69,7 +69,8 @@ from engine.errors import (
     RequestFailedError,
 )
 from engine.lora_request import LoRARequest
-from engine.output.request_output import OutputAccumulator, RequestDelta
+from engine.output.request_output import OutputAccumulator, RequestDelta, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.request_stream import (  # FinishedRequest and RequestStream are re-exported
     FinishedRequest,
     RequestStream,
@@ -146,6 +147,16 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def task(self) -> str:
+        """generate or embed (an engine without the attribute generates)."""
+        return getattr(self.engine, "task", "generate")
+
+    @property
+    def embedding_size(self) -> int | None:
+        """An embedding model's vector width; None for a generation model."""
+        return getattr(self.engine, "embedding_size", None)
+
+    @property
     def is_healthy(self) -> bool:
         return (
             self._dead is None
@@ -206,7 +217,7 @@ class AsyncEngine:
     async def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str | None = None,
         *,
         priority: int = 0,
@@ -235,9 +246,8 @@ class AsyncEngine:
         else:
             prepared = await self.offload_if_large(len(prompt), prepare)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(
-            request_id, params.n, len(prepared.prompt_token_ids), loop, self.abort
-        )
+        n = params.n if isinstance(params, SamplingParams) else 1
+        stream = RequestStream(request_id, n, len(prepared.prompt_token_ids), loop, self.abort)
         ack = loop.create_future()
         with self._cond:
             self._check_accepting()
@@ -271,6 +281,23 @@ class AsyncEngine:
                 yield out
         finally:
             stream.abort()
+
+    async def embed(
+        self,
+        prompt: str | list[int],
+        params: PoolingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestOutput:
+        """One input's embedding (an embedding model's `RequestOutput`, its `embedding`
+        set). Raises as `add_request` does, or what the engine failed the request with;
+        cancelling the caller aborts it."""
+        stream = await self.add_request(
+            prompt, params, request_id, priority=priority, arrival_time=arrival_time
+        )
+        return await stream.result()
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the engine drops the request (and frees its blocks) before its next step."""

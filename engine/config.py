@@ -22,6 +22,8 @@ SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 # Longest n-gram the prompt-lookup proposer matches, and deepest suffix match.
 MAX_LOOKUP_LEN = 64
+MODEL_TASKS = ("auto", "generate", "embed")
+POOLING_METHODS = ("last", "mean", "cls")
 
 
 class ConfigError(ValueError):
@@ -61,6 +63,16 @@ class ModelConfig:
     quantization: str = "auto"
     # int4's group width (a multiple of 32 dividing every linear's input width).
     quantization_group: int = 32
+    # generate | embed | auto (a sentence-transformers directory or a bare decoder such as
+    # Qwen3Model embeds, anything else generates). See engine/worker/pooling/spec.py.
+    task: str = "auto"
+    # Embedding models: override the checkpoint's pooling (last | mean | cls) and its
+    # normalization; None keeps what the checkpoint declares.
+    pooling: str | None = None
+    normalize: bool | None = None
+    # Embedding models: allow `dimensions` below the full width (Matryoshka); None: as the
+    # checkpoint's config.json says (is_matryoshka / matryoshka_dimensions).
+    is_matryoshka: bool | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -76,6 +88,13 @@ class ModelConfig:
             "model.quantization_group",
             "must be a positive multiple of 32",
         )
+        _require(self.task in MODEL_TASKS, "model.task", f"must be one of {MODEL_TASKS}")
+        if self.pooling is not None:
+            _require(
+                self.pooling in POOLING_METHODS,
+                "model.pooling",
+                f"must be one of {POOLING_METHODS} or null",
+            )
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "model.max_model_len", "must be >= 1")
 

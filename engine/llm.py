@@ -9,12 +9,19 @@ With adapters (PEFT LoRA directories), as in vLLM:
 
 llm = LLM(model, enable_lora=True, max_loras=4, max_lora_rank=16)
 llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))
+
+Embeddings, with an embedding checkpoint (a sentence-transformers directory, or a bare
+decoder such as Qwen3Model; `task="embed"` forces it):
+
+llm = LLM("/models/Qwen3-Embedding-0.6B")
+vectors = [o.outputs.embedding for o in llm.embed(["a query", "a document"])]
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -32,7 +39,12 @@ from engine.config import (
 )
 from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest
-from engine.output.request_output import OutputAccumulator, RequestOutput
+from engine.output.request_output import (
+    EmbeddingRequestOutput,
+    OutputAccumulator,
+    RequestOutput,
+)
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
 # LLM(...) keyword -> (config section, field name)
@@ -40,6 +52,10 @@ _OVERRIDES = {
     "dtype": ("model", "dtype"),
     "max_model_len": ("model", "max_model_len"),
     "seed": ("model", "seed"),
+    "task": ("model", "task"),
+    "pooling": ("model", "pooling"),
+    "normalize": ("model", "normalize"),
+    "is_matryoshka": ("model", "is_matryoshka"),
     "served_model_name": ("model", "served_name"),
     "tokenizer": ("model", "tokenizer"),
     "quantization": ("model", "quantization"),
@@ -160,10 +176,45 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         return run_beam_search(self.engine, list(prompts), params, self._ids)
 
-    def _run(self, pending: dict[str, OutputAccumulator], use_tqdm: bool) -> list[RequestOutput]:
+    def embed(
+        self,
+        prompts: str | dict | list[int] | Sequence[str | dict | list[int]],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (an embedding model only), in input order. A list
+        of ints is one prompt of token ids. `truncate_prompt_tokens` applies to prompts
+        whose params leave it unset (vLLM's keyword)."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params = [
+                p if p.truncate_prompt_tokens is not None
+                else replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in params
+            ]  # fmt: skip
+        pending: dict[str, OutputAccumulator] = {}
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt, p)
+            pending[rid] = OutputAccumulator(rid, 1)
+        return [EmbeddingRequestOutput.of(o) for o in self._run(pending, use_tqdm, "embed")]
+
+    def _run(
+        self, pending: dict[str, OutputAccumulator], use_tqdm: bool, desc: str = "generate"
+    ) -> list[RequestOutput]:
         """Steps until every request in `pending` finished; each output is built once, then."""
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(pending), desc="generate", disable=not use_tqdm, unit="req")
+        bar = tqdm(total=len(pending), desc=desc, disable=not use_tqdm, unit="req")
         try:
             while len(results) < len(pending) and self.engine.has_unfinished_requests():
                 for delta in self.engine.step():

@@ -6,6 +6,11 @@ tokens -> detokenize and check stop strings -> one `RequestDelta` per request th
 validation and tokenization and may run on another thread than `step`; everything else
 belongs to the thread that steps, except the LoRA calls that say otherwise.
 
+Embedding models (`task` "embed", see engine/worker/pooling/): `prepare_request` takes
+`PoolingParams` instead of `SamplingParams`; such a request is prefill-only and its last
+delta carries the vector (`RequestDelta.embedding`). A request of the other kind than the
+model's task is refused with an InvalidRequestError naming the task.
+
 LoRA (`lora.enabled`): `add_lora` reads and checks an adapter into the host-memory cache
 (`engine.worker.lora.registry`, thread-safe: files are read on the caller's thread), a
 request names its adapter with `lora_request` (loaded on first use), `remove_lora` refuses
@@ -35,6 +40,7 @@ from engine.lora_request import LoRARequest
 from engine.output.processor import OutputProcessor
 from engine.output.request_output import RequestDelta, SampleError
 from engine.output.tokenizer import Tokenizer
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.speculative import build_speculator, load_draft_model
 from engine.worker.distributed.group import threads_per_rank
@@ -45,6 +51,7 @@ from engine.worker.lora.model_lora import check_lora_runtime
 from engine.worker.lora.registry import LoRARegistry
 from engine.worker.models.loader import load_model, resolve_max_model_len
 from engine.worker.models.parallel import TensorParallel
+from engine.worker.pooling.spec import embedding_max_len
 from engine.worker.quant.fp8 import check_kv_dtype
 from engine.worker.runner import ModelRunner
 from engine.worker.structured.compiler import CompiledGrammar, GrammarCompiler
@@ -132,11 +139,18 @@ class LLMEngine:
             self.tp_workers.await_loaded()
         self.hf_config = loaded.hf_config
         self.model_dir = loaded.model_dir
+        # generate | embed; `pooling` is the embedding model's pooling (None: generation).
+        self.task = loaded.task
+        self.pooling = loaded.pooling
+        if self.task == "embed" and config.lora.enabled:
+            raise ConfigError("lora.enabled", "LoRA adapters are not served on embedding models")
         self.tokenizer = Tokenizer.from_pretrained(loaded.model_dir)
         model = loaded.model
         self.vocab_size = model.vocab_size
         self.model_name = config.model.served_name or _default_served_name(config, loaded)
-        self.max_model_len = resolve_max_model_len(config.model, loaded.hf_config)
+        self.max_model_len = embedding_max_len(
+            config.model, resolve_max_model_len(config.model, loaded.hf_config), self.pooling
+        )
         block_size = config.cache.block_size
         self.runner = ModelRunner(
             model,
@@ -147,6 +161,7 @@ class LLMEngine:
             eos_token_ids=self.tokenizer.eos_token_ids,
             lora=config.lora,
             speculative=config.speculative,
+            pooling=self.pooling,
         )
         if config.speculative.method == "draft":
             self.runner.proposer = load_draft_model(
@@ -210,9 +225,9 @@ class LLMEngine:
         # `fail_step` fails exactly the requests that were in it.
         self._step_output: SchedulerOutput | None = None
         logger.info(
-            "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d "
+            "engine ready model=%s task=%s device=%s dtype=%s kv_blocks=%d block_size=%d "
             "max_model_len=%d attention=%s decode_graphs=%s tensor_parallel=%d load_s=%.1f",
-            self.model_name, self.device, loaded.dtype, num_blocks, block_size,
+            self.model_name, self.task, self.device, loaded.dtype, num_blocks, block_size,
             self.max_model_len, self.accelerator.attention_backend,
             self.accelerator.decode_graphs, tp.size, time.perf_counter() - t0,
         )  # fmt: skip
@@ -258,12 +273,17 @@ class LLMEngine:
         )  # fmt: skip
         return written
 
+    @property
+    def embedding_size(self) -> int | None:
+        """The width of this model's embeddings (None: a generation model)."""
+        return self.pooling.hidden_size if self.pooling is not None else None
+
     # ---- requests -------------------------------------------------------------------------
     def prepare_request(
         self,
         request_id: str,
         prompt: str | list[int] | dict,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -271,7 +291,14 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
         """Validates and tokenizes; raises InvalidRequestError naming the field. Thread-safe.
-        A `lora_request` not loaded yet is read from its directory here (LoRAError if bad)."""
+        A `lora_request` not loaded yet is read from its directory here (LoRAError if bad).
+        `PoolingParams` make an embedding request (the model's task must be embed)."""
+        embed = isinstance(params, PoolingParams)
+        admission.check_task(self.task, "embed" if embed else "generate", self.model_name)
+        if embed:
+            if lora_request is not None:
+                raise LoRAError("LoRA adapters are not served on embedding models")
+            return self._prepare_embedding(request_id, prompt, params, priority, arrival_time)
         lora, epoch = None, 0
         if lora_request is not None:
             lora, epoch = self._lora_registry().acquire(lora_request)
@@ -316,6 +343,33 @@ class LLMEngine:
                 )
             )  # fmt: skip
         return PreparedRequest(request_id, text, ids, requests, epoch)
+
+    def _prepare_embedding(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: PoolingParams,
+        priority: int,
+        arrival_time: float | None,
+    ) -> PreparedRequest:
+        """A prefill-only request: tokenized as sentence-transformers does (lower-cased
+        first when the checkpoint says so), cut by truncate_prompt_tokens, sized to fit."""
+        spec = self.pooling
+        assert spec is not None  # check_task passed: this is an embedding model
+        spec.check(params)
+        if spec.do_lower_case and isinstance(prompt, str):
+            prompt = prompt.lower()
+        text, ids = self.tokenize_prompt(prompt)
+        ids = params.truncate(ids, self.max_model_len)
+        kv = self.kv_manager
+        admission.fit_prompt(len(ids), self.max_model_len, kv.block_size, kv.num_blocks)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        # Its SamplingParams are the defaults, read by nothing that matters: it never samples.
+        request = Request(
+            request_id, ids, SamplingParams(max_tokens=1), arrival_time=arrival,
+            priority=priority, pooling_params=params,
+        )  # fmt: skip
+        return PreparedRequest(request_id, text, ids, [request])
 
     def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids); raises InvalidRequestError. Thread-safe."""
@@ -364,7 +418,9 @@ class LLMEngine:
         self.outputs.add_group(prepared.request_id, prepared.prompt, prepared.requests)
         self._prompt_tokens_total += len(prepared.prompt_token_ids)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams, **kw) -> None:
+    def add_request(
+        self, request_id: str, prompt, params: SamplingParams | PoolingParams, **kw
+    ) -> None:
         self.add_prepared(self.prepare_request(request_id, prompt, params, **kw))
 
     def abort(self, request_ids: str | Iterable[str]) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.lora_request import LoRARequest
 from engine.output.request_output import RequestDelta
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ class SteppedEngine(Protocol):
     """What AsyncEngine needs of the engine it drives: `LLMEngine`, or a test's stand-in.
 
     `prepare_request` may run on any thread; everything else runs on the engine thread.
+    `task` (generate | embed) and `embedding_size` are read where present (LLMEngine has
+    them); a stand-in without them serves generation.
     """
 
     config: EngineConfig
@@ -43,7 +46,7 @@ class SteppedEngine(Protocol):
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         priority: int = 0,
         arrival_time: float | None = None,

@@ -42,6 +42,26 @@ def tiny_llama_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_embedder(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: `tiny_embedder(arch="qwen3", pooling="last", **kw) -> Path`, a tiny
+    sentence-transformers directory cached per session (kw: those of
+    `tests.support.tiny_embedders.make_tiny_embedder`: bare, normalize, matryoshka, ...)."""
+    from tests.support.tiny_embedders import make_tiny_embedder
+
+    root = tmp_path_factory.mktemp("tiny_embedders")
+    cache: dict[str, Path] = {}
+
+    def build(arch: str = "qwen3", pooling: str = "last", **kw: Any) -> Path:
+        key = json.dumps([arch, pooling, kw], sort_keys=True)
+        if key not in cache:
+            out = root / f"{arch}-{pooling}-{len(cache)}"
+            cache[key] = make_tiny_embedder(out, arch, pooling, **kw)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def hf_greedy() -> Callable[..., list[list[int]]]:
     """`hf_greedy(model_dir, prompt_token_ids_list, max_new_tokens, ignore_eos=False)`."""
     from tests.support.tiny_models import hf_greedy

@@ -68,8 +68,8 @@ def from_engine_error(exc: BaseException, field_of: Callable[[str | None], str])
     if isinstance(exc, InvalidRequestError):
         field = field_of(exc.param)
         message = str(exc)
-        if exc.param and message.startswith(f"{exc.param}:"):  # the engine's name: the field's
-            message = field + message[len(exc.param) :]
+        if exc.param and field != exc.param and message.startswith(f"{exc.param}:"):
+            message = field + message[len(exc.param) :]  # the engine's name -> the field's
         if not message.startswith(f"{field}:"):
             message = f"{field}: {message}"
         return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message, field)

@@ -25,7 +25,7 @@ import grpc
 from appliance import structured
 from appliance.adapters import AdapterRegistry
 from appliance.config.schema import LoRASection
-from appliance.grpc import errors
+from appliance.grpc import errors, kserve_embed
 from appliance.grpc.auth import cache_salt_of
 from appliance.grpc.errors import RpcError, invalid
 from appliance.grpc.guard import INTERNAL_MESSAGE
@@ -142,9 +142,12 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         except RpcError as e:
             await errors.abort(context, e)
         meta = kpb.ModelMetadataResponse(name=request.name, versions=["1"], platform="appliance")
-        for name, datatype, shape in INPUTS:
+        embed = self._engine.task == "embed"
+        for name, datatype, shape in kserve_embed.INPUTS if embed else INPUTS:
             meta.inputs.add(name=name, datatype=datatype, shape=shape)
-        for name, datatype, shape in OUTPUTS:
+        for name, datatype, shape in kserve_embed.OUTPUTS if embed else OUTPUTS:
+            if embed and name == "embedding":
+                shape = [-1, self._engine.embedding_size]
             meta.outputs.add(name=name, datatype=datatype, shape=shape)
         return meta
 
@@ -155,6 +158,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         """The whole generation in one response (`stream` must be false here)."""
         result = None
         parsed: LLMRequest | None = None
+        if self._engine.task == "embed":
+            return await self._embed(request, context)
         try:
             lora = self._check_model(request.model_name, request.model_version)
             parsed = parse_request(request)
@@ -168,6 +173,19 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             err = errors.from_engine_error(e, lambda p: _field_of(p, parsed))
             await errors.abort(context, err)
         return result
+
+    async def _embed(
+        self, request: kpb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> kpb.ModelInferResponse:
+        """ModelInfer on an embedding model (kserve_embed.py)."""
+        try:
+            self._check_model(request.model_name, request.model_version)
+            return await kserve_embed.infer(self._engine, request, request.model_name)
+        except RpcError as e:
+            await errors.abort(context, e)
+        except errors.ENGINE_ERRORS as e:
+            await errors.abort(context, errors.from_engine_error(e, kserve_embed.field_of))
+        raise AssertionError("not reached: abort raises")
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[kpb.ModelInferRequest], context: Any
@@ -209,15 +227,21 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             emit(kpb.ModelStreamInferResponse(error_message=message, infer_response=head))
 
         parsed: LLMRequest | None = None
+        embed = self._engine.task == "embed"
         try:
             lora = self._check_model(req.model_name, req.model_version)
+            if embed:  # one response per request: the whole batch's embeddings
+                resp = await kserve_embed.infer(self._engine, req, req.model_name)
+                emit(kpb.ModelStreamInferResponse(infer_response=resp))
+                return
             parsed = parse_request(req)
             async for resp in self._generate(req, parsed, carrier, lora):
                 emit(kpb.ModelStreamInferResponse(infer_response=resp))
         except RpcError as e:
             fail(e.message)
         except errors.ENGINE_ERRORS as e:
-            fail(errors.from_engine_error(e, lambda p: _field_of(p, parsed)).message)
+            field_of = kserve_embed.field_of if embed else (lambda p: _field_of(p, parsed))
+            fail(errors.from_engine_error(e, field_of).message)
         except Exception:  # a bug: answer this request in-band, keep the stream's others
             logger.exception("kserve stream request failed", extra={"fields": {"id": req.id}})
             fail(INTERNAL_MESSAGE)

@@ -20,7 +20,7 @@ from appliance import structured
 from appliance.adapters import AdapterRegistry
 from appliance.config.schema import LoRASection
 from appliance.dialect.chat_output import ChatDialect, DialectError, constrain, for_prompt
-from appliance.grpc import errors
+from appliance.grpc import errors, native_embed
 from appliance.grpc.auth import cache_salt_of
 from appliance.grpc.errors import RpcError, invalid
 from appliance.grpc.native_chat import (
@@ -375,6 +375,18 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         self, request: pb.ResponseRef, context: grpc.aio.ServicerContext
     ) -> pb.DeleteResponseReply:
         return await self._responses.delete(request, context)
+
+    async def Embed(
+        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
+        """See native_embed.py."""
+        try:
+            return await native_embed.embed(
+                self._engine, self._model, request, context, self._tracing
+            )
+        except RpcError as e:
+            await errors.abort(context, e)
+            raise  # not reached: abort raises
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

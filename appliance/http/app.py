@@ -25,6 +25,7 @@ from appliance.config.schema import LoRASection
 from appliance.http import adapters, responses, routes
 from appliance.http.chat import create_chat_completion
 from appliance.http.completions import create_completion
+from appliance.http.embeddings import create_embedding
 from appliance.http.errors import (
     APIError,
     api_error_handler,
@@ -55,6 +56,7 @@ ENDPOINTS = {
     ("DELETE", "/v1/responses/{response_id}"): responses.delete_response,
     ("POST", "/v1/responses/{response_id}/cancel"): responses.cancel_response,
     ("GET", "/v1/responses/{response_id}/input_items"): responses.list_input_items,
+    ("POST", "/v1/embeddings"): create_embedding,
     ("GET", "/v1/models"): routes.list_models,
     ("GET", "/v1/models/{model}"): routes.retrieve_model,
     ("POST", "/v1/load_lora_adapter"): adapters.load_lora_adapter,

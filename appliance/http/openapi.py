@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from appliance.http import embedding_models as em
 from appliance.http import protocol as p
 from appliance.responses import protocol as rp
 
@@ -53,6 +54,9 @@ ROUTES: tuple[RouteDoc, ...] = (
     RouteDoc("GET", "/v1/responses/{response_id}/input_items", None, rp.InputItemList,
              "The items a stored response answered, earlier turns included (limit, order, "
              "after)", True),
+    RouteDoc("POST", "/v1/embeddings", em.EmbeddingRequest, em.EmbeddingResponse,
+             "Embeddings of texts or token ids (an embedding model only: model.task embed)",
+             True),
     RouteDoc("GET", "/v1/models", None, p.ModelList,
              "The served model and its loaded LoRA adapters", True),
     RouteDoc("GET", "/v1/models/{model}", None, p.ModelCard, "One model or adapter", True),

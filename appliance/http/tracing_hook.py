@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from appliance.telemetry import Tracing, record_request_span
 from engine.async_engine import AsyncEngine
+from engine.pooling_params import PoolingParams
 from engine.request_stream import FinishedRequest
 from engine.sampling_params import SamplingParams
 
@@ -19,7 +20,7 @@ from engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class _Pending:
     headers: dict[str, str]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     operation: str
 
 
@@ -32,7 +33,11 @@ class HttpRequestTracer:
         aeng.add_finish_listener(self.on_finished)
 
     def register(
-        self, request_id: str, headers: dict[str, str], params: SamplingParams, operation: str
+        self,
+        request_id: str,
+        headers: dict[str, str],
+        params: SamplingParams | PoolingParams,
+        operation: str,
     ) -> None:
         carrier = {k: v for k, v in headers.items() if k in ("traceparent", "tracestate")}
         with self._lock:

@@ -85,6 +85,38 @@ def greedy_params_and_warm_up(
     return params
 
 
+def embedding_runner(
+    embed: Callable[[list[dict[str, Any]]], list[Any]], spec: dict[str, Any],
+    result: dict[str, Any],
+) -> Callable[[int], dict[str, Any]]:  # fmt: skip
+    """For bench/embeddings.py: warms up `embed` (a vLLM-style `LLM.embed` over
+    `{"prompt_token_ids": ...}` prompts, returning outputs with `.outputs.embedding`) on the
+    spec's warm-up prompts, and returns run_repeat(r): every input at once, its record's
+    "tokens" the prompt tokens embedded, repeat 0's first 16 floats in `_first_ids`."""
+    warm = spec.get("warmup_prompts") or []
+    if warm:
+        t0 = time.perf_counter()
+        embed([{"prompt_token_ids": p} for p in warm])
+        result["warmup_s"] = round(time.perf_counter() - t0, 2)
+
+    def run_repeat(r: int) -> dict[str, Any]:
+        prompts = [{"prompt_token_ids": p} for p in prompts_for_repeat(spec, r)]
+        holder: dict[str, Any] = {}
+
+        def run() -> int:
+            holder["outs"] = embed(prompts)
+            return sum(len(p["prompt_token_ids"]) for p in prompts)
+
+        rec = timed(run)
+        rec["inputs_s"] = round(len(prompts) / rec["wall_s"], 2) if rec["wall_s"] else None
+        if r == 0:
+            first = holder["outs"][0].outputs.embedding
+            rec["_first_ids"] = [round(float(x), 6) for x in list(first)[:16]]
+        return rec
+
+    return run_repeat
+
+
 def timed(fn: Callable[[], int]) -> dict[str, Any]:
     """Run fn (returns generated tokens) under a LoadMeter; the run's record."""
     with LoadMeter() as m:

@@ -99,10 +99,11 @@ class StepSplit:
         return d
 
 
-def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
+def load_llm(spec: dict[str, Any], result: dict[str, Any], **kw: Any) -> Any:
+    """`engine.LLM` with the spec's settings (plus `kw`); fills load_s, threads, settings."""
     import torch
 
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     threads = int(spec.get("threads") or 2)
     torch.set_num_threads(threads)
@@ -116,11 +117,20 @@ def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[
         max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
         max_model_len=int(spec["max_model_len"]),
         num_threads=threads,
+        **kw,
         **extra,
     )
     result["load_s"] = round(time.perf_counter() - t0, 2)
     result["threads"] = torch.get_num_threads()
-    result["settings"] = {"dtype": spec.get("dtype", "float32"), "extra": extra}
+    result["settings"] = {"dtype": spec.get("dtype", "float32"), "extra": extra, **kw}
+    return llm
+
+
+def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
+
+    from engine import SamplingParams
+
+    llm = load_llm(spec, result)
     params = greedy_params_and_warm_up(llm, SamplingParams, spec, result)
 
     split = StepSplit(llm.engine)

@@ -30,13 +30,15 @@ from bench.peers.base import greedy_params_and_warm_up, peer_main, prompts_for_r
 _LLM: list[Any] = []
 
 
-def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
+def load_vllm(spec: dict[str, Any], result: dict[str, Any], **kw: Any) -> Any:
+    """`vllm.LLM` with the spec's settings (plus `kw`, e.g. runner="pooling"); the KV size and
+    threads through vLLM's variables; fills load_s, threads, settings."""
     threads = int(spec.get("threads") or 2)
     kv = str(max(1, round(float(spec["kv_cache_gib"]))))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", kv)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     extra = dict(spec.get("extra") or {})
     t0 = time.perf_counter()
@@ -47,6 +49,7 @@ def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[
         max_num_seqs=int(spec["max_num_seqs"]),
         max_num_batched_tokens=int(spec["max_num_batched_tokens"]),
         seed=0,
+        **kw,
         **extra,
     )
     _LLM.append(llm)
@@ -58,7 +61,15 @@ def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[
         "VLLM_CPU_OMP_THREADS_BIND": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
         "torch": torch.__version__,
         "extra": extra,
+        **kw,
     }
+    return llm
+
+
+def setup(spec: dict[str, Any], result: dict[str, Any]) -> Callable[[int], dict[str, Any]]:
+    from vllm import SamplingParams
+
+    llm = load_vllm(spec, result)
     params = greedy_params_and_warm_up(llm, SamplingParams, spec, result)
 
     def run_repeat(r: int) -> dict[str, Any]:

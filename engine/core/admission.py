@@ -5,6 +5,9 @@ through these checks, so a limit and its message are written once:
 
 - `fit_lengths`: the request fits the model's context and, at its longest, the whole KV
   pool (so with preemption it can always finish, however busy the pool);
+  `fit_prompt` is the same rule for a prefill-only (embedding) request, which outputs
+  nothing and so may fill the whole context;
+- `check_task`: the request is of the kind the model serves (generation or embeddings);
 - `check_new_id`: the id is not held already;
 - `check_queue_room`: the waiting queue has room for all of a request's samples;
 - `check_stop_limits`: stop strings and stop token ids within the scheduler's bounds.
@@ -55,6 +58,36 @@ def fit_lengths(
             "max_tokens",
         )
     return max_tokens
+
+
+def fit_prompt(prompt_len: int, max_model_len: int, block_size: int, num_blocks: int) -> None:
+    """Raises unless a prefill-only request of `prompt_len` tokens fits: at most the model's
+    context (no token is generated after it) and the whole KV pool (it holds every prompt
+    token's K/V until its last chunk is computed)."""
+    if prompt_len > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens, but the input has "
+            f"{prompt_len} tokens (shorten it, or set truncate_prompt_tokens)",
+            "input",
+        )
+    if kv_blocks_for(prompt_len, block_size) > num_blocks:
+        raise InvalidRequestError(
+            f"the input's {prompt_len} tokens need {kv_blocks_for(prompt_len, block_size)} KV "
+            f"blocks but the whole cache has {num_blocks}",
+            "input",
+        )
+
+
+def check_task(model_task: str, request_task: str, model_name: str) -> None:
+    """Raises InvalidRequestError (param `model`) unless a `request_task` request (generate
+    or embed) can run on a model whose task is `model_task`."""
+    if model_task == request_task:
+        return
+    if model_task == "embed":
+        what = "it serves embeddings (/v1/embeddings, gRPC Embed), not generation"
+    else:
+        what = "it serves generation, not embeddings (start an embedding model: model.task embed)"
+    raise InvalidRequestError(f"model {model_name!r} has task {model_task!r}: {what}", "model")
 
 
 def stored_tokens(prompt_len: int, max_tokens: int) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.lora_request import LoRARequest
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -81,7 +82,10 @@ class Request:
         lora_request: LoRARequest | None = None,
         lora_key: bytes | None = None,
         lora: object | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
+        """`pooling_params`: a prefill-only (embedding) request; its `sampling_params` are
+        then a default nothing reads, and it finishes when its prompt is computed."""
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
         self.request_id = request_id
@@ -110,6 +114,7 @@ class Request:
         self.fork_from = fork_from
         # The compiled structured-outputs grammar (opaque here: the runner's type), or None.
         self.grammar = grammar
+        self.pooling_params = pooling_params
         # Effective output cap: sampling_params.max_tokens clipped to the context left.
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.output_token_ids: list[int] = []
@@ -145,18 +150,31 @@ class Request:
         return self.status.is_finished
 
     @property
+    def prefill_only(self) -> bool:
+        """An embedding request: its prompt runs through the model once, nothing is
+        sampled, and it finishes (its blocks freed) when the runner returns its vector."""
+        return self.pooling_params is not None
+
+    @property
     def skips_prefix_cache_reads(self) -> bool:
         """True when every prompt token must go through the model: prompt logprobs come
         out of the forward pass, and a prompt block served from the prefix cache is never
-        computed. Its blocks are still cached for others (their K/V are the same)."""
-        return self.sampling_params.prompt_logprobs is not None
+        computed. Its blocks are still cached for others (their K/V are the same), unless
+        it is prefill-only (see `writes_prefix_cache`). Pooling reads every prompt token's
+        hidden state, so a prefill-only request skips the reads too."""
+        return self.sampling_params.prompt_logprobs is not None or self.pooling_params is not None
+
+    @property
+    def writes_prefix_cache(self) -> bool:
+        """False for a prefill-only request: its KV is dropped when it finishes, so its
+        blocks are never registered in the prefix cache (nor offered to any KV tier)."""
+        return self.pooling_params is None
 
     @property
     def uses_kv_tier(self) -> bool:
         """True when a KV tier may serve its prefix (engine/core/kv_tier): like a prefix-cache
-        read. A request that caches nothing (one that skips prefix reads; prefill-only
-        requests should answer False here too) never reaches a tier; one that registers
-        no blocks never saves any either."""
+        read. A request that skips prefix reads (prompt logprobs, prefill-only embedding
+        requests) never reaches a tier; one that registers no blocks never saves any."""
         return not self.skips_prefix_cache_reads
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:

@@ -44,6 +44,11 @@ queue but skipped until the loads are reported (`_waits_for_kv`); it then admits
 request, its loaded blocks being ordinary prefix hits. The tier's moves go out in the
 step's `SchedulerOutput` and its results come back in `RunnerOutput.kv_tier`; `_finish`
 releases what a request's loads pinned, however it leaves (abort, deadline, error).
+
+Prefill-only (embedding) requests are scheduled like any prompt (chunked, under the same
+budget) but never sample: once their whole prompt is scheduled they get no more tokens,
+and they finish when the runner returns their pooled vector (`RunnerOutput.pooled`),
+their blocks freed in that step. Their blocks are never registered in the prefix cache.
 """
 
 from __future__ import annotations
@@ -173,13 +178,19 @@ class Scheduler:
         """
         admission.check_new_id(request.request_id, self.requests)
         kv = self.kv_manager
-        request.max_tokens = admission.fit_lengths(
-            request.num_prompt_tokens,
-            request.max_tokens,
-            self.max_model_len,
-            kv.block_size,
-            kv.num_blocks,
-        )
+        if request.prefill_only:
+            admission.fit_prompt(
+                request.num_prompt_tokens, self.max_model_len, kv.block_size, kv.num_blocks
+            )
+            request.max_tokens = 0
+        else:
+            request.max_tokens = admission.fit_lengths(
+                request.num_prompt_tokens,
+                request.max_tokens,
+                self.max_model_len,
+                kv.block_size,
+                kv.num_blocks,
+            )
         admission.check_queue_room(len(self.waiting), 1, self.config.max_queue_len)
         request.status = _WAITING
         self.requests[request.request_id] = request
@@ -461,6 +472,7 @@ class Scheduler:
                     start,
                     req.grammar,
                     req.lora,
+                    req.pooling_params,
                 )
             )
             req.num_computed_tokens = start + num_scheduled[rid]
@@ -528,6 +540,8 @@ class Scheduler:
                 times.first_token = now
             times.last_token = now
             updated.append(req)
+        if runner_output.pooled:
+            any_finished |= self._finish_pooled(runner_output.pooled, now, updated)
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         if runner_output.draft_token_ids and self.speculator is not None:
@@ -541,6 +555,20 @@ class Scheduler:
         req.num_computed_tokens -= 1 + len(draft) - len(token_ids)
         assert self.speculator is not None
         self.speculator.settle(req, len(draft), len(token_ids))
+
+    def _finish_pooled(self, pooled: dict[str, list[float]], now: float, updated: list) -> bool:
+        """Finishes the prefill-only requests whose vector came back (stopped: the prompt
+        is all they had); appends them to `updated`. True if any finished."""
+        done = False
+        for rid in pooled:
+            req = self.requests.get(rid)
+            if req is None or req.status is not _RUNNING:
+                continue  # aborted meanwhile: its vector is dropped
+            req.status = RequestStatus.FINISHED_STOPPED
+            self._finish(req, now, in_batch=True)
+            updated.append(req)
+            done = True
+        return done
 
     def _append_until_stop(self, req: Request, token_ids: list[int]) -> bool:
         """Appends several tokens (speculative decoding), dropping any after a stop."""

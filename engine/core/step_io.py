@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 # A KV tier's name in moves and reports (engine/core/kv_tier): pinned host memory, or files.
@@ -96,6 +97,9 @@ class NewRequestData:
     # The request's LoRA adapter weights, passed through untouched (the runner's type), or
     # None for the base model.
     lora: object | None = None
+    # Set for a prefill-only (embedding) request: it samples nothing, and the runner
+    # answers with its pooled vector once its whole prompt is computed.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -188,3 +192,7 @@ class RunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # The KV tier moves finished since the last step (None: no tier, or nothing finished).
     kv_tier: KVTierReport | None = None
+    # request_id -> its embedding, for each prefill-only request whose prompt was completed
+    # this step (pooled, truncated to its `dimensions`, normalized as asked). Plain floats:
+    # nothing but lists crosses back (1,024 floats cost ~10 us to convert).
+    pooled: dict[str, list[float]] = field(default_factory=dict)

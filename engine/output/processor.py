@@ -40,6 +40,7 @@ class RequestGroup:
     samples: list[SampleState]
     prompt_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # the whole group failed (a failed step)
+    embedding: list[float] | None = None  # a prefill-only request's vector, once pooled
     _first_sent: bool = field(default=False)
 
     @property
@@ -61,6 +62,7 @@ class RequestGroup:
             outs,
             finished,
             error=self.error,
+            embedding=self.embedding if finished else None,
         )
         if not self._first_sent:
             self._first_sent = True
@@ -187,6 +189,10 @@ class OutputProcessor:
                 # Replaces entries a recomputed prompt already delivered, appends the rest.
                 end = chunk.first + len(chunk.logprobs)
                 group.prompt_logprobs[chunk.first : end] = chunk.logprobs
+        for rid, vector in runner_output.pooled.items():
+            group = self.groups.get(self.parent_of.get(rid, ""))
+            if group is not None:
+                group.embedding = vector
 
         touched: dict[str, None] = {}  # group ids in order, once each
         stops: list[tuple[Request, str, int]] = []

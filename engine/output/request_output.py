@@ -91,6 +91,35 @@ class RequestOutput:
     # Set when the request as a whole failed inside the engine (a failed step: every
     # sample "error"); one sample's own failure is its `CompletionOutput.error`.
     error: str | None = None
+    # A prefill-only (embedding) request's vector, once it finished.
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's embedding (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per input, shaped like vLLM's (`out.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> EmbeddingRequestOutput:
+        if out.embedding is None:
+            raise ValueError(f"request {out.request_id!r} has no embedding ({out.error})")
+        return cls(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding))
 
 
 @dataclass
@@ -119,6 +148,7 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta only
     metrics: RequestMetrics | None = None  # on the first and the last delta
     error: str | None = None  # the request as a whole failed inside the engine (a failed step)
+    embedding: list[float] | None = None  # a prefill-only request's vector, on its last delta
 
 
 class _SampleSum:
@@ -170,6 +200,7 @@ class OutputAccumulator:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.metrics: RequestMetrics | None = None
         self.error: str | None = None
+        self.embedding: list[float] | None = None
         self.finished = False
         self.num_output_tokens = 0  # over all samples
 
@@ -181,6 +212,8 @@ class OutputAccumulator:
             self.metrics = delta.metrics
         if delta.error is not None:
             self.error = delta.error
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         self.finished = self.finished or delta.finished
         for d in delta.outputs:
             s = self._samples.get(d.index)
@@ -217,6 +250,7 @@ class OutputAccumulator:
             prompt_logprobs=self.prompt_logprobs,
             metrics=self.metrics,
             error=self.error,
+            embedding=self.embedding,
         )
 
     def delta(self) -> RequestDelta:
@@ -244,6 +278,7 @@ class OutputAccumulator:
             prompt_logprobs=self.prompt_logprobs,
             metrics=self.metrics,
             error=self.error,
+            embedding=self.embedding,
         )
 
     def _sorted(self) -> list[_SampleSum]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.core.step_io import SchedulerOutput, TokenLogprobs
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.worker.attention.base import AttentionMetadata
 from engine.worker.structured.matcher import GrammarState
@@ -37,6 +38,10 @@ class CachedRequestState:
     grammar: GrammarState | None = None
     # The request's LoRA adapter (None: the base model).
     lora: LoRAWeights | None = None
+    # A prefill-only (embedding) request's params, and its pooling result so far across
+    # prefill chunks (engine/worker/pooling/pooler.py).
+    pooling: PoolingParams | None = None
+    pooled_partial: torch.Tensor | None = None
 
 
 @dataclass

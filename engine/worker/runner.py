@@ -22,6 +22,8 @@ from engine.worker.attention.base import AttentionBackend, AttentionLayerSpec, F
 from engine.worker.decode_graphs import GraphRunner, build_graph_runner
 from engine.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 from engine.worker.lora.model_lora import ModelLoRA
+from engine.worker.pooling.pooler import Pooler
+from engine.worker.pooling.spec import PoolingSpec
 from engine.worker.sampler import (
     PROMPT_LOGPROBS_CHUNK,
     Sampler,
@@ -127,8 +129,11 @@ class ModelRunner:
         flashinfer_module: Any = None,
         lora: LoRAConfig | None = None,
         speculative: SpeculativeConfig | None = None,
+        pooling: PoolingSpec | None = None,
     ):
-        """`eos_token_ids`: the model's EOS ids, masked until a request reaches min_tokens.
+        """`pooling`: an embedding model (no LM head): every request is prefill-only, and
+        the step answers with pooled vectors instead of samples (no decode graphs then).
+        `eos_token_ids`: the model's EOS ids, masked until a request reaches min_tokens.
         `backend`: the attention backend (default: `select_attention_backend` for
         runtime.attention_backend, probed with the model's layers). `flashinfer_module`: a
         stand-in for the flashinfer module (tests). `lora`: with `enabled`, the model's
@@ -162,6 +167,7 @@ class ModelRunner:
         self.model = model
         # Set by `capture_graphs` on CUDA: replays decode-only steps from captured graphs.
         self.graph_runner: GraphRunner | None = None
+        self.pooler = Pooler(pooling) if pooling is not None else None
         self.sampler = Sampler()
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos_token_ids))
         self.kv_caches: list[torch.Tensor] = []
@@ -204,7 +210,7 @@ class ModelRunner:
         try:
             self.graph_runner = build_graph_runner(
                 self.model, self.backend, self.kv_caches, self.device,
-                enabled=self.runtime.cuda_graphs and self.lora is None,
+                enabled=self.runtime.cuda_graphs and self.lora is None and self.pooler is None,
                 sizes=self.runtime.capture_sizes,
                 block_size=self.block_size, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, graph_factory=graph_factory,
@@ -240,6 +246,7 @@ class ModelRunner:
                 generator=gen,
                 grammar=_grammar_state(new.grammar, new.sampling_params, new.output_token_ids),
                 lora=new.lora,
+                pooling=new.pooling_params,
             )
         for cached in so.scheduled_cached_reqs:
             st = self.states[cached.request_id]
@@ -283,6 +290,12 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.end_step()
         out = RunnerOutput()
+        if self.pooler is not None:  # an embedding model: nothing samples
+            meta = inputs.attn_metadata
+            out.pooled = self.pooler.pool(
+                hidden, inputs.req_ids, meta.query_start_loc_cpu, meta.seq_lens_cpu, self.states
+            )
+            return out
         self._prompt_logprobs(inputs, hidden, out)
         if inputs.sample_rows:
             logits = self.model.compute_logits(_sample_hidden(hidden, inputs))

@@ -62,7 +62,7 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str | None, str | None]] =
     ("multipart", "POST", "/v1/completions", {"files": {"f": b"x"}}, 415, None, "unsupported_media_type"),
     ("oversized body", "POST", "/v1/completions", {"json": {"prompt": "x" * (BODY_LIMIT + 10)}}, 413, None, "request_too_large"),
     ("oversized tokenize body", "POST", "/tokenize", {"json": {"prompt": "x" * (BODY_LIMIT + 10)}}, 413, None, "request_too_large"),
-    ("unknown route", "POST", "/v1/embeddings", {"json": {}}, 404, None, "not_found"),
+    ("unknown route", "POST", "/v1/audio/speech", {"json": {}}, 404, None, "not_found"),
     ("unknown api version", "POST", "/v2/completions", {"json": CMPL}, 404, None, "not_found"),
     ("PUT completions", "PUT", "/v1/completions", {"json": CMPL}, 405, None, "method_not_allowed"),
     ("DELETE models", "DELETE", "/v1/models", {}, 405, None, "method_not_allowed"),

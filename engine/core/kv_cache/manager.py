@@ -171,7 +171,11 @@ class KVCacheManager:
                 and blocks[first].ref_cnt == 1
                 and blocks[first].block_hash is None
             ):
-                if self.enable_prefix_caching and end // bs > st.num_cached:
+                if (
+                    self.enable_prefix_caching
+                    and end // bs > st.num_cached
+                    and request.writes_prefix_cache
+                ):
                     num_full = min(end, len(request.all_token_ids)) // bs
                     if num_full > st.num_cached:
                         self._register(st, num_full)
@@ -230,7 +234,7 @@ class KVCacheManager:
             blocks.extend(new_blocks)
             new_ids = [b.block_id for b in new_blocks]
 
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.writes_prefix_cache:
             num_full = min(end, len(request.all_token_ids)) // bs
             if num_full > st.num_cached:
                 self._register(st, num_full)

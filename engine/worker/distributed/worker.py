@@ -32,6 +32,7 @@ from engine.worker.distributed.group import join_group, leave_group
 from engine.worker.distributed.transport import STOP, RingHandle, StepReader, decode_step
 from engine.worker.kv_sizing import KVGeometry, size_kv_cache
 from engine.worker.models.loader import load_model, resolve_max_model_len
+from engine.worker.pooling.spec import embedding_max_len
 from engine.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -100,8 +101,12 @@ def _start(spec: WorkerSpec, conn: Connection) -> ModelRunner:
     loaded = load_model(config.model, device, tp, progress=False)
     conn.send(("loaded",))
     block_size = config.cache.block_size
-    runner = ModelRunner(loaded.model, device, loaded.dtype, block_size, config.runtime)
-    max_model_len = resolve_max_model_len(config.model, loaded.hf_config)
+    runner = ModelRunner(
+        loaded.model, device, loaded.dtype, block_size, config.runtime, pooling=loaded.pooling
+    )
+    max_model_len = embedding_max_len(
+        config.model, resolve_max_model_len(config.model, loaded.hf_config), loaded.pooling
+    )
     geom = KVGeometry.of(loaded.model, block_size, loaded.dtype)
     num_blocks = size_kv_cache(runner, config, geom, max_model_len, tp)
     runner.allocate_kv_cache(num_blocks)

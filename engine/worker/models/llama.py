@@ -193,8 +193,10 @@ class LlamaForCausalLM(nn.Module):
     o_bias: ClassVar[bool | None] = None
     qk_norm: ClassVar[bool] = False
 
-    def __init__(self, hf_config: Any, tp: TensorParallel | None = None):
-        """`tp`: this rank's place in a tensor-parallel group (default: one device)."""
+    def __init__(self, hf_config: Any, tp: TensorParallel | None = None, *, lm_head: bool = True):
+        """`tp`: this rank's place in a tensor-parallel group (default: one device).
+        `lm_head` False: the decoder alone, for an embedding model (hidden states are pooled,
+        never turned into logits); a checkpoint's LM head weights are then skipped."""
         super().__init__()
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
@@ -227,7 +229,8 @@ class LlamaForCausalLM(nn.Module):
             for window in layer_sliding_windows(hf_config)
         ]
         self.model = DecoderModel(hf_config, self.attention_specs, flags, tp)
-        if self.tie_word_embeddings:
+        self.has_lm_head = lm_head
+        if self.tie_word_embeddings or not lm_head:
             self.lm_head = None
         else:
             rows = vocab_rows(self.vocab_size, tp)[1]
@@ -244,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         done."""
         count = pack_linears(self)
         probe = self.model.norm.weight  # in the run dtype whatever the linears' format
-        if self.lm_head is None and count and packing_available(probe.dtype):
+        if self.lm_head is None and self.has_lm_head and count and packing_available(probe.dtype):
             self._packed_embedding = pack_weight(self.model.embed_tokens.weight)
             count += 1
         self._cpu_fused = fused.usable(probe)
@@ -274,6 +277,8 @@ class LlamaForCausalLM(nn.Module):
 
         Under tensor parallelism every rank computes its vocabulary columns and rank 0 gets
         them all; the other ranks get None (they must still call this: it is a collective)."""
+        if not self.has_lm_head:
+            raise RuntimeError("this model was built without an LM head (an embedding model)")
         logits = self.tp.gather_columns(self._local_logits(hidden))
         if logits is None or logits.shape[1] == self.vocab_size:
             return logits
@@ -303,6 +308,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb." in name:
                 continue  # recomputed, never loaded
             if name == "lm_head.weight" and self.lm_head is None:
+                if not self.tie_word_embeddings:
+                    continue  # built without an LM head: an embedding model never uses it
                 name = "model.embed_tokens.weight"  # tied: some checkpoints store only this
                 if "model.embed_tokens.weight" in loaded:
                     continue

@@ -30,9 +30,10 @@ from engine.worker.models.default_model import default_model_gguf
 from engine.worker.models.gguf_loader import convert_gguf, gguf_index
 from engine.worker.models.gguf_weights import gguf_has_quantized, iter_gguf_weights
 from engine.worker.models.parallel import TensorParallel
-from engine.worker.models.registry import get_model_class
+from engine.worker.models.registry import resolve_architecture
 from engine.worker.models.rope import RotaryEmbedding
 from engine.worker.models.sharding import CheckpointSlice
+from engine.worker.pooling.spec import PoolingSpec, read_pooling_spec, resolve_task
 from engine.worker.quant.install import finalize_model, install
 from engine.worker.quant.plan import QuantPlan, resolve_plan
 
@@ -48,6 +49,9 @@ class LoadedModel:
     model_dir: Path  # directory holding config.json and the tokenizer files
     dtype: torch.dtype
     generation_config: dict[str, Any] = field(default_factory=dict)
+    # generate, or embed (no LM head; `pooling` says how its hidden states become a vector).
+    task: str = "generate"
+    pooling: PoolingSpec | None = None
 
 
 def find_model_source(path: str | None, hf_cache_dir: str | Path | None = None) -> Path:
@@ -245,13 +249,15 @@ def build_model(
     device: torch.device,
     tp: TensorParallel | None = None,
     plan: QuantPlan | None = None,
+    lm_head: bool = True,
 ) -> nn.Module:
     """Our model class for the config (this rank's shard under `tp`), uninitialized on
     `device` (rope tables computed); with a `plan` that keeps blocks, its linears are
-    quantized layers (engine/worker/quant/install.py)."""
-    cls = get_model_class(getattr(hf_config, "architectures", None) or [])
+    quantized layers (engine/worker/quant/install.py); `lm_head` False: the decoder alone
+    (embeddings)."""
+    cls = resolve_architecture(getattr(hf_config, "architectures", None) or []).cls
     with torch.device("meta"):
-        model = cls(hf_config) if tp is None else cls(hf_config, tp)
+        model = cls(hf_config, tp, lm_head=lm_head)
         if plan is not None and plan.blocks:
             install(model, plan, dtype)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -299,16 +305,21 @@ def load_model(
         device=device,
         group=model_config.quantization_group,
     )
+    arch = resolve_architecture(getattr(hf_config, "architectures", None) or [])
+    task = resolve_task(model_config.task, model_dir, arch.name, arch.bare)
+    pooling = read_pooling_spec(model_dir, hf_config, model_config) if task == "embed" else None
     choice = resolve_dtype(model_config.dtype, hf_config, device, quantized=plan.blocks)
     logger.info("%s", choice)
     logger.info("%s", plan.describe())
+    if pooling is not None:
+        logger.info("task embed: %s", pooling)
     dtype = choice.dtype
-    model = build_model(hf_config, dtype, device, tp, plan)
+    model = build_model(hf_config, dtype, device, tp, plan, lm_head=task == "generate")
     if gguf is not None:
         weights = iter_gguf_weights(gguf, index, hf_config, device, model.checkpoint_slice, plan)
     else:
         weights = iter_weights(model_dir, device, model.checkpoint_slice, progress)
-    model.load_weights(weights)
+    model.load_weights(weights if task == "generate" else decoder_names(weights))
     if plan.blocks:
         logger.info("weights: %s", finalize_model(model))
     model.eval().requires_grad_(False)
@@ -326,4 +337,17 @@ def load_model(
         model_dir=model_dir,
         dtype=dtype,
         generation_config=read_generation_config(model_dir, hf_config),
+        task=task,
+        pooling=pooling,
     )
+
+
+def decoder_names(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A bare decoder's tensors (`layers.0...`, as sentence-transformers saves them) under
+    the causal LM's names (`model.layers.0...`); names already prefixed pass through."""
+    for name, tensor in weights:
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
+        yield name, tensor

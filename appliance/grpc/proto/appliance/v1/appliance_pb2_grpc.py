@@ -74,6 +74,11 @@ class ApplianceStub:
                 request_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.ResponseRef.SerializeToString,
                 response_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.DeleteResponseReply.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/appliance.v1.Appliance/Embed',
+                request_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class ApplianceServicer:
@@ -136,6 +141,15 @@ class ApplianceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds every input of the call (an embedding model only: a generation model answers
+        INVALID_ARGUMENT naming its task). The inputs are batched in the engine; the response
+        holds one embedding per input, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ApplianceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +192,11 @@ def add_ApplianceServicer_to_server(servicer, server):
                     servicer.DeleteResponse,
                     request_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.ResponseRef.FromString,
                     response_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.DeleteResponseReply.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.EmbedRequest.FromString,
+                    response_serializer=appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +415,33 @@ class Appliance:
             '/appliance.v1.Appliance/DeleteResponse',
             appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.ResponseRef.SerializeToString,
             appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.DeleteResponseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/appliance.v1.Appliance/Embed',
+            appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.EmbedRequest.SerializeToString,
+            appliance_dot_grpc_dot_proto_dot_appliance_dot_v1_dot_appliance__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,7 @@ __all__ = [
     "StructuredOutputsParams",
     "BeamSearchParams",
     "RequestOutput",
+    "Tenant",
 ]
 
 
@@ -27,6 +28,10 @@ def __getattr__(name: str):
         from engine.llm_engine import LLMEngine
 
         return LLMEngine
+    if name == "Tenant":  # whose share a request runs on (engine/core/policy/tenant.py)
+        from engine.core.policy.tenant import Tenant
+
+        return Tenant
     if name in ("RequestOutput", "CompletionOutput"):
         from engine.output import request_output
 

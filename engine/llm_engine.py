@@ -25,6 +25,8 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.core import admission
 from engine.core.kv_cache.manager import KVCacheManager
+from engine.core.policy.policy import TenantStats
+from engine.core.policy.tenant import Tenant
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.step_io import SchedulerOutput
@@ -72,6 +74,9 @@ class EngineStats:
     # LoRA adapter name -> requests (samples) running / waiting with it; empty without LoRA.
     lora_running: dict[str, int] = field(default_factory=dict)
     lora_waiting: dict[str, int] = field(default_factory=dict)
+    # Tenant name -> its running and waiting requests and virtual token counter; empty
+    # while only the default tenant was seen under fcfs / priority.
+    tenants: dict[str, TenantStats] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -195,9 +200,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | tuple[str, ...] | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: Tenant | None = None,
+        deadline: float | None = None,
     ) -> PreparedRequest:
         """Validates and tokenizes; raises InvalidRequestError naming the field. Thread-safe.
-        A `lora_request` not loaded yet is read from its directory here (LoRAError if bad)."""
+        A `lora_request` not loaded yet is read from its directory here (LoRAError if bad).
+        `tenant`: whose share it runs on (None: the default tenant); `deadline`: the
+        time.monotonic() by which it must finish (None: none), see engine/core/policy."""
         lora, epoch = None, 0
         if lora_request is not None:
             lora, epoch = self._lora_registry().acquire(lora_request)
@@ -237,6 +246,7 @@ class LLMEngine:
                     fork_from=None if i == 0 else requests[0].request_id, max_tokens=max_tokens,
                     grammar=grammar, lora_request=lora_request,
                     lora_key=None if lora is None else lora.key, lora=lora,
+                    tenant=tenant, deadline=deadline,
                 )
             )  # fmt: skip
         return PreparedRequest(request_id, text, ids, requests, epoch)
@@ -334,8 +344,24 @@ class LLMEngine:
             results.append(delta)
             if delta.finished:
                 self.outputs.remove_group(gid)
+        results += self._fail_dropped()
         self._step_output = None
         self._settle_lora_removals()
+        return results
+
+    def _fail_dropped(self) -> list[RequestDelta]:
+        """The requests the scheduler ended itself (a deadline passed, pushed out of a full
+        queue): each one's whole group fails with the error its caller gets
+        (`RequestDelta.error_type`). Taken once the step succeeded: after a failed step
+        they are still there for the next one."""
+        results = []
+        for req, err in self.scheduler.take_dropped():
+            gid = self.outputs.parent_of.get(req.request_id)
+            if gid not in self.outputs.groups:  # aborted meanwhile, or a sibling's group
+                continue
+            for delta in self._fail_groups([gid], str(err)):
+                delta.error_type = type(err)
+                results.append(delta)
         return results
 
     def fail_step(self, message: str) -> list[RequestDelta]:
@@ -427,6 +453,7 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             lora_running=lora_running,
             lora_waiting=lora_waiting,
+            tenants=self.scheduler.tenant_stats(),
         )
 
 

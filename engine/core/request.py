@@ -13,6 +13,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.core.policy.tenant import DEFAULT_TENANT, Tenant
 from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ class RequestTimes:
     last_token: float | None = None
     finished: float | None = None
     preempted: list[float] = field(default_factory=list)
+    # When the scheduler ended it because its deadline had passed (None: it did not).
+    expired: float | None = None
 
 
 class Request:
@@ -73,6 +76,8 @@ class Request:
         lora_request: LoRARequest | None = None,
         lora_key: bytes | None = None,
         lora: object | None = None,
+        tenant: Tenant | None = None,
+        deadline: float | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
@@ -115,6 +120,14 @@ class Request:
         self.times = RequestTimes()
         if arrival_time is not None:
             self.times.arrival = arrival_time
+        # Scheduling policy (engine/core/policy): whose share it runs on, the time on the
+        # scheduler's clock by which it must have finished (None: no deadline), the highest
+        # token position charged to its tenant (positions below it are recompute), and the
+        # tokens reserved against its tenant's tokens_per_minute.
+        self.tenant = tenant if tenant is not None else DEFAULT_TENANT
+        self.deadline = deadline
+        self.num_charged_tokens = 0
+        self.reserved_tokens = 0
 
     @property
     def num_tokens(self) -> int:

@@ -86,6 +86,7 @@ class RequestGroup:
             finished_time=max((t.finished or 0.0 for t in times), default=None) or None,
             preempted_times=sorted(p for t in times for p in t.preempted),
             num_cached_tokens=samples[0].num_cached_tokens,
+            expired_time=min((t.expired for t in times if t.expired), default=None),
         )
 
 

@@ -45,6 +45,8 @@ class RequestMetrics:
     finished_time: float | None = None
     preempted_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # When the scheduler ended it because its deadline had passed (None: it did not).
+    expired_time: float | None = None
 
 
 @dataclass
@@ -88,6 +90,9 @@ class RequestDelta:
     metrics: RequestMetrics | None = None  # on the first and the last delta
     error: str | None = None  # the request failed inside the engine
     error_is_request: bool = False  # ... because of its own parameters (a 400, not a 500)
+    # The exception its stream raises (an engine.errors class: DeadlineExceededError,
+    # QueueFullError); None: decided by error_is_request.
+    error_type: type[Exception] | None = None
 
 
 class _SampleSum:
@@ -137,6 +142,7 @@ class OutputAccumulator:
         self.metrics: RequestMetrics | None = None
         self.error: str | None = None
         self.error_is_request = False
+        self.error_type: type[Exception] | None = None
         self.finished = False
         self.num_output_tokens = 0  # over all samples
 
@@ -148,6 +154,7 @@ class OutputAccumulator:
             self.metrics = delta.metrics
         if delta.error is not None:
             self.error, self.error_is_request = delta.error, delta.error_is_request
+            self.error_type = delta.error_type
         self.finished = self.finished or delta.finished
         for d in delta.outputs:
             s = self._samples.get(d.index)
@@ -210,6 +217,7 @@ class OutputAccumulator:
             metrics=self.metrics,
             error=self.error,
             error_is_request=self.error_is_request,
+            error_type=self.error_type,
         )
 
     def _sorted(self) -> list[_SampleSum]:

@@ -55,6 +55,7 @@ class FakeStats:
     generation_tokens_total: int = 0
     lora_running: dict[str, int] = field(default_factory=dict)
     lora_waiting: dict[str, int] = field(default_factory=dict)
+    tenants: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -113,6 +114,8 @@ class FakeLLMEngine:
         arrival_time=None,
         cache_salt=None,  # the fake has no prefix cache
         lora_request=None,
+        tenant=None,  # the fake has no tenants and keeps no deadlines
+        deadline=None,
     ):
         if lora_request is not None:
             raise LoRAError("the fake engine serves no LoRA adapters")

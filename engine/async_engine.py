@@ -52,6 +52,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from engine.core.policy.tenant import Tenant
 from engine.engine_inbox import (
     Abort,
     Add,
@@ -69,7 +70,6 @@ from engine.errors import (
     RequestFailedError,
     UnsatisfiableRequestError,
 )
-from engine.core.policy.tenant import Tenant
 from engine.lora_request import LoRARequest
 from engine.output.request_output import OutputAccumulator, RequestDelta
 from engine.request_stream import (  # FinishedRequest and RequestStream are re-exported

@@ -48,12 +48,14 @@ from engine.config import SchedulerConfig
 from engine.core import admission
 from engine.core.adapter_slots import AdapterSlots, count_adapters, uses_adapter
 from engine.core.kv_cache.manager import KVCacheManager
+from engine.core.policy.deadlines import expiry_error
+from engine.core.policy.overflow import pushed_out_error
 from engine.core.policy.policy import SchedulingPolicy, TenantStats
 from engine.core.policy.tenant_slots import TenantSlots, share_victim
 from engine.core.request import Request, RequestStatus
 from engine.core.step_io import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from engine.core.stop import check_stop
-from engine.errors import DeadlineExceededError, EngineError, QueueFullError
+from engine.errors import EngineError
 
 __all__ = ["Scheduler"]
 
@@ -157,15 +159,8 @@ class Scheduler:
         )
         now = self.clock()
         pushed = self.policy.check_admission(request, now, self.config.max_queue_len)
-        if pushed is not None:
-            self._drop(
-                [pushed],
-                QueueFullError(
-                    f"pushed out of the full waiting queue ({self.config.max_queue_len} "
-                    f"requests): tenant {pushed.tenant.name!r} holds more than its share "
-                    "of it; retry later"
-                ),
-            )
+        if pushed is not None:  # the queue is full: the most over-share tenant's last one
+            self._drop([(pushed, pushed_out_error(pushed, self.config.max_queue_len))])
         request.status = _WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -178,6 +173,8 @@ class Scheduler:
         self._expire_deadlines(now)
         step = _Step(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step, now)
+        # Charged before admission, so that admission sees this step's work in the counters.
+        self.policy.charge_running(step.running, step.num_scheduled)
         if not step.preempted:
             self._schedule_waiting(step, now)
         return self._build_output(step)
@@ -415,7 +412,6 @@ class Scheduler:
         for c in copies:
             replaced.setdefault(c.request_id, []).append((c.index, c.dst))
         num_scheduled = step.num_scheduled
-        self.policy.charge_running(step.running, num_scheduled)
         cached_reqs = []
         for req in step.running:
             rid = req.request_id
@@ -583,25 +579,13 @@ class Scheduler:
         `_finish` as well, so expiring it here needs nothing more.
         """
         expired = self.policy.expired(now, self.requests)
-        if not expired:
-            return
-        for req in expired:
-            req.times.expired = now
-        queued = [r for r in expired if r.status is not _RUNNING]
-        running = [r for r in expired if r.status is _RUNNING]
-        if queued:
-            self._drop(queued, DeadlineExceededError(
-                "the request's deadline passed while it waited in the queue; nothing was computed"
-            ))  # fmt: skip
-        if running:
-            self._drop(running, DeadlineExceededError(
-                "the request's deadline passed while it was running; it was stopped"
-            ))  # fmt: skip
+        if expired:
+            self._drop([(r, expiry_error(r, now)) for r in expired])
 
-    def _drop(self, requests: list[Request], error: EngineError) -> None:
-        """Ends `requests` with an error their callers get (`take_dropped`)."""
-        done = self.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ERROR)
-        self._dropped.extend((r, error) for r in done)
+    def _drop(self, dropped: list[tuple[Request, EngineError]]) -> None:
+        """Ends each request with the error its caller gets (`take_dropped`)."""
+        self.finish_requests([r.request_id for r, _ in dropped], RequestStatus.FINISHED_ERROR)
+        self._dropped += dropped
 
     def take_dropped(self) -> list[tuple[Request, EngineError]]:
         """Requests the scheduler ended itself since the last call, each with the error its

@@ -18,7 +18,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
+from engine.errors import DeadlineExceededError
 
 _SLACK = 64  # entries tolerated beyond twice the live requests before a rebuild
 
@@ -54,3 +55,15 @@ class DeadlineHeap:
             self._heap = [e for e in heap if live.get(e[2].request_id) is e[2]]
             heapq.heapify(self._heap)
         return out
+
+
+def expiry_error(request: Request, now: float) -> DeadlineExceededError:
+    """What the caller of `request`, whose deadline has passed, gets; stamps the time."""
+    request.times.expired = now
+    if request.status is RequestStatus.RUNNING:
+        return DeadlineExceededError(
+            "the request's deadline passed while it was running; it was stopped"
+        )
+    return DeadlineExceededError(
+        "the request's deadline passed while it waited in the queue; nothing was computed"
+    )

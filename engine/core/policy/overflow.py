@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from engine.core.policy.tenant_queue import TenantQueue
 from engine.core.request import Request
+from engine.errors import QueueFullError
 
 
 def overflow_victim(queue: TenantQueue, arriving: Request) -> Request | None:
@@ -28,3 +29,11 @@ def overflow_victim(queue: TenantQueue, arriving: Request) -> Request | None:
         if load > top_load:
             top_name, top_load = name, load
     return None if top_name is None else queue.last_of(top_name)
+
+
+def pushed_out_error(victim: Request, max_queue_len: int) -> QueueFullError:
+    """What the caller of a request pushed out of the full queue gets."""
+    return QueueFullError(
+        f"pushed out of the full waiting queue ({max_queue_len} requests): tenant "
+        f"{victim.tenant.name!r} holds more than its share of it; retry later"
+    )

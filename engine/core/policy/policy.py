@@ -99,7 +99,9 @@ class SchedulingPolicy:
             counter.charge_scheduled(request, start, n)
 
     def charge_running(self, running: list[Request], num_scheduled: Mapping[str, int]) -> None:
-        """The step's running requests, before their `num_computed_tokens` advance."""
+        """The running requests scheduled this step (before any admission, and before their
+        `num_computed_tokens` advance): a flooding tenant's decodes raise its counter before
+        a tenant that just arrived, lifted to it, competes for a seat."""
         counter = self.counter
         if counter is not None:
             charge = counter.charge_scheduled

@@ -335,7 +335,8 @@ def test_a_request_ended_by_its_deadline_gets_an_event_and_the_span_names_its_te
     tracing.force_flush()
     spans = exporter.get_finished_spans()
     off = tracing.epoch_offset_ns
-    for span, stage, at in zip(spans, ("queue", "running"), (101_000_000_000, 101_750_000_000)):
+    expected = (("queue", 101_000_000_000), ("running", 101_750_000_000))
+    for span, (stage, at) in zip(spans, expected, strict=True):
         (event,) = [e for e in span.events if e.name == "deadline_exceeded"]
         assert event.timestamp - off == at and event.attributes["appliance.deadline.stage"] == stage
         assert span.attributes["appliance.tenant"] == "search"

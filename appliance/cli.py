@@ -109,6 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_port=cfg.server.http_port,
         grpc_port=cfg.server.grpc_port,
         api_keys=len(cfg.server.api_keys),
+        tenants=len(cfg.server.tenants),
         cors=bool(cfg.server.cors_origins),
     )
 

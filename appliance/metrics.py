@@ -13,6 +13,12 @@ With speculative decoding on, its counters are exported under vLLM's names
 (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
 `_num_accepted_tokens_per_pos`, labelled `model_name` (and `position`)), from the same snapshot.
 
+Per-request series carry a `tenant` label (the request's tenant, `default` without tenants:
+its values are the configured tenant names, so its cardinality is bounded by the config);
+per-tenant gauges (running, waiting, virtual token counter) come from the same snapshot as
+the rest, and requests the engine ended because their deadline passed are counted by
+tenant and stage (queue: nothing was computed; running: stopped at the next step).
+
 Beside our own `appliance_*` names, three engine gauges are also exported under vLLM's
 names and label (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
 `vllm:kv_cache_usage_perc`, each labelled `model_name`): KV-aware gateways on Kubernetes
@@ -59,6 +65,11 @@ TTFT_BUCKETS = (
 TPOT_BUCKETS = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
 )  # fmt: skip
+# Arrival to first scheduled: mostly a step or two, so finer than the latency buckets.
+QUEUE_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
+    2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+)  # fmt: skip
 LATENCY_BUCKETS = (
     0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
@@ -94,6 +105,7 @@ class _EngineCollector(Collector):
             ("prompt_tokens", "Prompt tokens of requests added.", s.prompt_tokens_total),
             ("generation_tokens", "Tokens generated.", s.generation_tokens_total),
             ("engine_failed_steps", "Engine steps that raised.", self.aeng.num_failed_steps),
+            ("engine_steps", "Engine steps run.", self.aeng.num_steps),
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
@@ -103,6 +115,8 @@ class _EngineCollector(Collector):
             yield from _spec_decode_metrics(s, self.aeng.model_name)
         if s.kv_tier is not None:
             yield from kv_tier_metrics(s.kv_tier, self.aeng.model_name)
+        if s.tenants:
+            yield from _tenant_metrics(s)
 
 
 def _spec_decode_metrics(s: EngineStats, model: str) -> Iterator[Metric]:
@@ -129,6 +143,30 @@ def _spec_decode_metrics(s: EngineStats, model: str) -> Iterator[Metric]:
     for pos, value in enumerate(spec.accepted_per_pos):
         per_pos.add_metric([model, str(pos)], value)
     yield per_pos
+
+
+def _tenant_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Per tenant, from the engine's snapshot: requests running and waiting, and the fair
+    policies' virtual token counter (weighted tokens served over the tenant's weight)."""
+    running = GaugeMetricFamily(
+        f"{PREFIX}_tenant_requests_running", "Requests running per tenant.", labels=["tenant"]
+    )
+    waiting = GaugeMetricFamily(
+        f"{PREFIX}_tenant_requests_waiting", "Requests waiting per tenant.", labels=["tenant"]
+    )
+    counter = GaugeMetricFamily(
+        f"{PREFIX}_tenant_virtual_tokens",
+        "Fair policies: the tenant's virtual token counter (weighted tokens served / weight).",
+        labels=["tenant"],
+    )
+    for name, t in sorted(s.tenants.items()):
+        running.add_metric([name], t.running)
+        waiting.add_metric([name], t.waiting)
+        if t.virtual_tokens is not None:
+            counter.add_metric([name], t.virtual_tokens)
+    yield running
+    yield waiting
+    yield counter
 
 
 def _lora_metrics(s: EngineStats, adapters: AdapterRegistry) -> Iterator[Metric]:
@@ -263,32 +301,49 @@ class ApplianceMetrics:
         r = self.registry
         self.requests_finished = Counter(
             f"{PREFIX}_requests_finished",
-            "Requests that left the engine, by outcome.",
-            ["finish_reason"],
+            "Requests that left the engine, by outcome and tenant.",
+            ["finish_reason", "tenant"],
             registry=r,
         )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "Arrival to first generated token.",
+            ["tenant"],
             buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.tpot = Histogram(
             f"{PREFIX}_time_per_output_token_seconds",
             "Mean time between generated tokens, per request.",
+            ["tenant"],
             buckets=TPOT_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             f"{PREFIX}_e2e_request_latency_seconds",
             "Arrival to finish.",
+            ["tenant"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_time = Histogram(
             f"{PREFIX}_request_queue_time_seconds",
-            "Arrival to first scheduled.",
-            buckets=LATENCY_BUCKETS,
+            "Arrival to first scheduled (the engine's own timestamps).",
+            ["tenant"],
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.expired = Counter(
+            f"{PREFIX}_requests_expired",
+            "Requests the engine ended because their deadline passed, by tenant and stage "
+            "(queue: before any compute; running: stopped at the next step).",
+            ["tenant", "stage"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            f"{PREFIX}_tenant_tokens",
+            "Prompt and generated tokens of finished requests, by tenant.",
+            ["tenant", "kind"],
             registry=r,
         )
         self.http_responses = Counter(
@@ -321,26 +376,37 @@ class ApplianceMetrics:
 
     def on_finished(self, f: FinishedRequest) -> None:
         """Runs on the engine thread (prometheus_client metrics are thread-safe)."""
-        self.requests_finished.labels(f.finish_reason).inc()
+        tenant = f.tenant
+        self.requests_finished.labels(f.finish_reason, tenant).inc()
         if self._embeds:
             self.embedding_inputs.labels(f.finish_reason).inc()
             if f.finish_reason == "stop":
                 self.embedding_prompt_tokens.inc(f.num_prompt_tokens)
+        if f.num_prompt_tokens:
+            self.tenant_tokens.labels(tenant, "prompt").inc(f.num_prompt_tokens)
+        if f.num_generation_tokens:
+            self.tenant_tokens.labels(tenant, "generation").inc(f.num_generation_tokens)
         m = f.metrics
         if m is None:
             return
         if m.first_scheduled_time is not None and m.finished_time is not None:
             self.inference_time.observe(max(0.0, m.finished_time - m.first_scheduled_time))
+        if m.expired_time is not None:
+            stage = "queue" if m.first_scheduled_time is None else "running"
+            self.expired.labels(tenant, stage).inc()
         if m.first_token_time is not None:
-            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            self.ttft.labels(tenant).observe(max(0.0, m.first_token_time - m.arrival_time))
             # Per sequence: with n > 1 the samples decode side by side.
             n = max((len(c.token_ids) for c in f.output.outputs), default=0) if f.output else 0
             if m.last_token_time is not None and n > 1:
-                self.tpot.observe(max(0.0, (m.last_token_time - m.first_token_time) / (n - 1)))
+                tpot = (m.last_token_time - m.first_token_time) / (n - 1)
+                self.tpot.labels(tenant).observe(max(0.0, tpot))
         if m.first_scheduled_time is not None:
-            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            self.queue_time.labels(tenant).observe(
+                max(0.0, m.first_scheduled_time - m.arrival_time)
+            )
         if m.finished_time is not None and f.finish_reason != "abort":
-            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+            self.e2e.labels(tenant).observe(max(0.0, m.finished_time - m.arrival_time))
 
     def render(self) -> tuple[bytes, str]:
         """Body and content type of a /metrics response."""

@@ -156,13 +156,16 @@ def record_request_span(
     request_id: str | None = None,
     error: str | None = None,
     aborted: bool = False,
+    tenant: str | None = None,
 ) -> None:
     """Records one finished (or aborted / failed) request as a span, from engine timestamps.
 
     `operation` is the GenAI operation name: "chat", "text_completion", "generate_content"
     or "embeddings" (with `PoolingParams`: no sampling attributes, no output tokens).
     `output` is the last RequestOutput the frontend saw (None if the request never started).
-    A no-op when `tracing` is None.
+    `tenant`: whose share it ran on (`appliance.tenant`). A request the engine ended because
+    its deadline passed gets a `deadline_exceeded` event (its `appliance.deadline.stage`:
+    queue or running). A no-op when `tracing` is None.
     """
     if tracing is None:
         return
@@ -184,6 +187,8 @@ def record_request_span(
             aborted=aborted,
         ),
     )  # fmt: skip
+    if tenant is not None:
+        span.set_attribute("appliance.tenant", tenant)
     if metrics is not None:
         if metrics.first_scheduled_time is not None:
             span.add_event("scheduled", timestamp=tracing.epoch_ns(metrics.first_scheduled_time))
@@ -195,6 +200,13 @@ def record_request_span(
             span.add_event("kv_load_start", timestamp=tracing.epoch_ns(metrics.kv_load_start_time))
         if metrics.kv_load_end_time is not None:
             span.add_event("kv_load_end", timestamp=tracing.epoch_ns(metrics.kv_load_end_time))
+        if metrics.expired_time is not None:
+            stage = "queue" if metrics.first_scheduled_time is None else "running"
+            span.add_event(
+                "deadline_exceeded",
+                timestamp=tracing.epoch_ns(metrics.expired_time),
+                attributes={"appliance.deadline.stage": stage},
+            )
     error = error or (output.error if output is not None else None)
     if error:
         span.set_status(Status(StatusCode.ERROR, error))

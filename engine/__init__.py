@@ -18,6 +18,7 @@ __all__ = [
     "BeamSearchParams",
     "RequestOutput",
     "EmbeddingRequestOutput",
+    "Tenant",
 ]
 
 
@@ -30,6 +31,10 @@ def __getattr__(name: str):
         from engine.llm_engine import LLMEngine
 
         return LLMEngine
+    if name == "Tenant":  # whose share a request runs on (engine/core/policy/tenant.py)
+        from engine.core.policy.tenant import Tenant
+
+        return Tenant
     if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput"):
         from engine.output import request_output
 

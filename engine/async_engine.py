@@ -52,6 +52,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from engine.core.policy.tenant import Tenant
 from engine.engine_inbox import (
     Abort,
     Add,
@@ -224,11 +225,16 @@ class AsyncEngine:
         arrival_time: float | None = None,
         cache_salt: str | tuple[str, ...] | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: Tenant | None = None,
+        deadline: float | None = None,
     ) -> RequestStream:
         """Validates, queues and returns the request's stream once the engine holds it.
         Only requests with equal `cache_salt`s (and the same adapter) share cached prompt
         blocks. `lora_request`: the LoRA adapter to run (read from disk on a worker thread
-        when not loaded yet).
+        when not loaded yet). `tenant`: whose share it runs on (the frontends map API keys
+        to tenants); `deadline`: the time.monotonic() by which it must finish, after which
+        the engine drops it (waiting) or stops it (running) and the stream raises
+        `DeadlineExceededError`.
 
         Raises InvalidRequestError (never servable; LoRAError for the adapter),
         QueueFullError (try later) or EngineDeadError before anything is streamed, so a
@@ -240,6 +246,7 @@ class AsyncEngine:
         prepare = functools.partial(
             self.engine.prepare_request, request_id, prompt, params, priority=priority,
             arrival_time=arrival, cache_salt=cache_salt, lora_request=lora_request,
+            tenant=tenant, deadline=deadline,
         )  # fmt: skip
         if lora_request is not None and not self.engine.is_lora_loaded(lora_request):
             prepared = await asyncio.to_thread(prepare)  # reads the adapter's files
@@ -252,7 +259,7 @@ class AsyncEngine:
         with self._cond:
             self._check_accepting()
             self._pending += 1
-            self._inbox.append(Add(prepared, stream, ack))
+            self._inbox.append(Add(prepared, stream, ack, tenant.name if tenant else None))
             self._cond.notify()
         try:
             await ack
@@ -270,11 +277,13 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: Tenant | None = None,
+        deadline: float | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Yields the request's deltas until it finishes; closing it aborts the request."""
         stream = await self.add_request(
             prompt, params, request_id, priority=priority, arrival_time=arrival_time,
-            lora_request=lora_request,
+            lora_request=lora_request, tenant=tenant, deadline=deadline,
         )  # fmt: skip
         try:
             async for out in stream:
@@ -407,7 +416,7 @@ class AsyncEngine:
                 self.engine.add_prepared(item.prepared)
                 stream = item.stream
                 self._streams[stream.request_id] = InFlight(
-                    stream, OutputAccumulator(stream.request_id, stream.n)
+                    stream, OutputAccumulator(stream.request_id, stream.n), item.tenant
                 )
             except (InvalidRequestError, EngineError) as e:
                 err = e
@@ -426,7 +435,7 @@ class AsyncEngine:
             logger.exception("abort failed", extra={"fields": {"request_id": rid}})
         if exc is not None:
             out[held.stream.loop].append(functools.partial(held.stream.fail, exc))
-        self._notify_finished(rid, "abort", held.total)
+        self._notify_finished(rid, "abort", held)
 
     def _step(self, out: Deliveries) -> None:
         self._step_started = time.monotonic()
@@ -449,12 +458,13 @@ class AsyncEngine:
         held.total.add(delta)
         stream = held.stream
         if delta.error:  # the request as a whole failed (one sample's own failure is a delta)
-            out[stream.loop].append(functools.partial(stream.fail, RequestFailedError(delta.error)))
+            err_type = delta.error_type or RequestFailedError  # a deadline: its own type
+            out[stream.loop].append(functools.partial(stream.fail, err_type(delta.error)))
         else:
             out[stream.loop].append(functools.partial(stream.put, delta))
         if delta.finished or delta.error:
             del self._streams[delta.request_id]
-            self._notify_finished(delta.request_id, None, held.total)
+            self._notify_finished(delta.request_id, None, held)
 
     def _on_step_failure(self, e: Exception, out: Deliveries) -> None:
         self.num_failed_steps += 1
@@ -520,12 +530,12 @@ class AsyncEngine:
         self._removals.settle(out, dead=True)
         deliver(out, self.abort)
 
-    def _notify_finished(self, rid: str, reason: str | None, total: OutputAccumulator) -> None:
+    def _notify_finished(self, rid: str, reason: str | None, held: InFlight) -> None:
         """`reason` None: the request's own outcome (else "abort"); the whole output is built
         here, once, and only when someone listens."""
         if not self._listeners:
             return
-        info = FinishedRequest.of(rid, reason, total)
+        info = FinishedRequest.of(rid, reason, held.total, held.tenant)
         for fn in self._listeners:
             try:
                 fn(info)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 KV_DTYPES = ("auto", "fp8_e4m3")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("auto", "fcfs", "priority", "fair", "deadline")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
 SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
 # Proposed tokens per request per step, at most (`speculative.num_speculative_tokens`): past
@@ -156,7 +156,11 @@ class SchedulerConfig:
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"
+    # fcfs | priority | fair (fair share by tenant) | deadline (fair share, earliest
+    # deadline first within a tenant) | auto: the appliance picks fair when server.tenants
+    # is configured, else fcfs (an engine built directly reads auto as fcfs). See
+    # engine/core/policy/ and docs/tenancy.md.
+    policy: str = "auto"
     # Waiting requests beyond this are refused (HTTP 429 / RESOURCE_EXHAUSTED).
     max_queue_len: int = 1024
     # Upper bound on `n` (parallel samples) per request.
@@ -168,6 +172,21 @@ class SchedulerConfig:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 1024
+    # Fair policies: when every seat (max_num_seqs) is held and the next waiting request's
+    # tenant runs fewer than its weighted share of the seats, preempt a request of the
+    # tenant furthest above its share to admit it (instead of waiting for a seat to free).
+    preempt_for_fairness: bool = False
+    # What the fair policies charge a tenant's virtual token counter (engine/core/policy/
+    # charges.py): weighted input (prompt) and output (generated) tokens computed, and
+    # whether prefix-cache hits, KV-tier hits, speculative tokens the verifier rejected,
+    # recompute after a preemption and embedding requests count.
+    charge_input_token: float = 1.0
+    charge_output_token: float = 2.0
+    charge_prefix_cache_hits: bool = False
+    charge_tier_cache_hits: bool = False
+    charge_rejected_speculative: bool = False
+    charge_recompute: bool = False
+    charge_embeddings: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1")
@@ -183,6 +202,14 @@ class SchedulerConfig:
         _require(self.max_n >= 1, "scheduler.max_n", "must be >= 1")
         for key in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids"):
             _require(getattr(self, key) >= 1, f"scheduler.{key}", "must be >= 1")
+        for key in ("charge_input_token", "charge_output_token"):
+            w = getattr(self, key)
+            _require(0 <= w < float("inf"), f"scheduler.{key}", "must be a finite number >= 0")
+        _require(
+            self.charge_input_token + self.charge_output_token > 0,
+            "scheduler.charge_output_token",
+            "charge_input_token and charge_output_token must not both be 0",
+        )
 
 
 @dataclass(frozen=True)

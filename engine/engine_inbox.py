@@ -28,6 +28,7 @@ class Add:
     prepared: PreparedLike
     stream: RequestStream
     ack: asyncio.Future
+    tenant: str | None = None  # the tenant's name, for finish listeners (None: default)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class InFlight:
 
     stream: RequestStream
     total: OutputAccumulator
+    tenant: str | None = None  # the tenant's name (None: the default tenant)
 
 
 class PendingRemovals:

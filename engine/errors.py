@@ -45,7 +45,36 @@ class LoRANotFoundError(LoRAError):
 
 
 class QueueFullError(EngineError):
-    """The waiting queue is at `scheduler.max_queue_len` (HTTP 429 / RESOURCE_EXHAUSTED)."""
+    """The waiting queue is at `scheduler.max_queue_len` (HTTP 429 / RESOURCE_EXHAUSTED).
+
+    `retry_after_s`: when a retry may succeed (HTTP `Retry-After`); `code`: the error code
+    the frontends report (each subclass names its own limit)."""
+
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class TenantQueueFullError(QueueFullError):
+    """The request's tenant already has `max_queued` requests waiting (HTTP 429 for that
+    tenant only; the others are still admitted)."""
+
+    code = "tenant_queue_full"
+
+
+class TokenRateLimitError(QueueFullError):
+    """The request's tenant is over its `tokens_per_minute`: `retry_after_s` is when its
+    bucket holds the request's reservation again (HTTP 429 with `Retry-After`)."""
+
+    code = "tokens_per_minute_exceeded"
+
+
+class DeadlineExceededError(EngineError):
+    """The request's deadline passed before it finished: dropped from the queue before any
+    compute, or aborted at the next step if it was running (HTTP 504 / gRPC
+    DEADLINE_EXCEEDED)."""
 
 
 class EngineDeadError(EngineError):

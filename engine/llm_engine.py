@@ -31,6 +31,8 @@ from engine.config import ConfigError, EngineConfig
 from engine.core import admission
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.kv_tier.manager import KVTierManager, KVTierStats
+from engine.core.policy.policy import TenantStats
+from engine.core.policy.tenant import Tenant
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.spec.stats import SpecDecodeStats
@@ -91,6 +93,9 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None
     # The KV tiers' counters and gauges (engine.core.kv_tier.KVTierStats); None without.
     kv_tier: KVTierStats | None = None
+    # Tenant name -> its running and waiting requests and virtual token counter; empty
+    # while only the default tenant was seen under fcfs / priority.
+    tenants: dict[str, TenantStats] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -289,16 +294,22 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | tuple[str, ...] | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: Tenant | None = None,
+        deadline: float | None = None,
     ) -> PreparedRequest:
         """Validates and tokenizes; raises InvalidRequestError naming the field. Thread-safe.
         A `lora_request` not loaded yet is read from its directory here (LoRAError if bad).
+        `tenant`: whose share it runs on (None: the default tenant); `deadline`: the
+        time.monotonic() by which it must finish (None: none), see engine/core/policy.
         `PoolingParams` make an embedding request (the model's task must be embed)."""
         embed = isinstance(params, PoolingParams)
         admission.check_task(self.task, "embed" if embed else "generate", self.model_name)
         if embed:
             if lora_request is not None:
                 raise LoRAError("LoRA adapters are not served on embedding models")
-            return self._prepare_embedding(request_id, prompt, params, priority, arrival_time)
+            return self._prepare_embedding(
+                request_id, prompt, params, priority, arrival_time, tenant, deadline
+            )
         lora, epoch = None, 0
         if lora_request is not None:
             lora, epoch = self._lora_registry().acquire(lora_request)
@@ -340,6 +351,7 @@ class LLMEngine:
                     fork_from=None if i == 0 else requests[0].request_id, max_tokens=max_tokens,
                     grammar=grammar, lora_request=lora_request,
                     lora_key=None if lora is None else lora.key, lora=lora,
+                    tenant=tenant, deadline=deadline,
                 )
             )  # fmt: skip
         return PreparedRequest(request_id, text, ids, requests, epoch)
@@ -351,6 +363,8 @@ class LLMEngine:
         params: PoolingParams,
         priority: int,
         arrival_time: float | None,
+        tenant: Tenant | None = None,
+        deadline: float | None = None,
     ) -> PreparedRequest:
         """A prefill-only request: tokenized as sentence-transformers does (lower-cased
         first when the checkpoint says so), cut by truncate_prompt_tokens, sized to fit."""
@@ -367,7 +381,7 @@ class LLMEngine:
         # Its SamplingParams are the defaults, read by nothing that matters: it never samples.
         request = Request(
             request_id, ids, SamplingParams(max_tokens=1), arrival_time=arrival,
-            priority=priority, pooling_params=params,
+            priority=priority, pooling_params=params, tenant=tenant, deadline=deadline,
         )  # fmt: skip
         return PreparedRequest(request_id, text, ids, [request])
 
@@ -485,8 +499,24 @@ class LLMEngine:
             results.append(delta)
             if delta.finished:
                 self.outputs.remove_group(gid)
+        results += self._fail_dropped()
         self._step_output = None
         self._settle_lora_removals()
+        return results
+
+    def _fail_dropped(self) -> list[RequestDelta]:
+        """The requests the scheduler ended itself (a deadline passed, pushed out of a full
+        queue): each one's whole group fails with the error its caller gets
+        (`RequestDelta.error_type`). Taken once the step succeeded: after a failed step
+        they are still there for the next one."""
+        results = []
+        for req, err in self.scheduler.take_dropped():
+            gid = self.outputs.parent_of.get(req.request_id)
+            if gid not in self.outputs.groups:  # aborted meanwhile, or a sibling's group
+                continue
+            for delta in self._fail_groups([gid], str(err)):
+                delta.error_type = type(err)
+                results.append(delta)
         return results
 
     def fail_step(self, message: str) -> list[RequestDelta]:
@@ -591,6 +621,7 @@ class LLMEngine:
                 else None
             ),
             kv_tier=self.kv_tier.stats() if self.kv_tier is not None else None,
+            tenants=self.scheduler.tenant_stats(),
         )
 
 

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.core.policy.tenant import DEFAULT_TENANT_NAME
 from engine.errors import UnsatisfiableRequestError
 from engine.output.request_output import (
     OutputAccumulator,
@@ -36,9 +37,16 @@ class FinishedRequest:
     num_generation_tokens: int
     metrics: RequestMetrics | None
     output: RequestOutput | None
+    tenant: str = DEFAULT_TENANT_NAME  # whose share it ran on (metrics' `tenant` label)
 
     @classmethod
-    def of(cls, request_id: str, reason: str | None, total: OutputAccumulator) -> FinishedRequest:
+    def of(
+        cls,
+        request_id: str,
+        reason: str | None,
+        total: OutputAccumulator,
+        tenant: str | None = None,
+    ) -> FinishedRequest:
         """From the sum of the request's deltas, built once; `reason` None: the request's own
         outcome (stop, length, error)."""
         o = total.output()
@@ -49,6 +57,7 @@ class FinishedRequest:
             num_generation_tokens=total.num_output_tokens,
             metrics=o.metrics,
             output=o,
+            tenant=tenant or DEFAULT_TENANT_NAME,
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from engine.core.policy.tenant import Tenant
 from engine.lora_request import LoRARequest
 from engine.output.request_output import RequestDelta
 from engine.pooling_params import PoolingParams
@@ -52,6 +53,8 @@ class SteppedEngine(Protocol):
         arrival_time: float | None = None,
         cache_salt: str | tuple[str, ...] | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: Tenant | None = None,
+        deadline: float | None = None,
     ) -> PreparedLike: ...
 
     def add_prepared(self, prepared: Any) -> None: ...

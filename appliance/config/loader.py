@@ -49,6 +49,9 @@ def _type_name(tp: Any) -> str:
     if origin is tuple:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
     if origin is dict:
+        value_tp = typing.get_args(tp)[1]
+        if dataclasses.is_dataclass(value_tp):
+            return f"a mapping of names to {value_tp.__name__} settings"
         return "a mapping of strings"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
         tp, "null" if tp is type(None) else str(tp)
@@ -71,6 +74,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             value = [v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, list | tuple):
             return tuple(_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    elif origin is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+        if isinstance(value, Mapping):
+            cls = typing.get_args(tp)[1]
+            return {str(k): _build_entry(cls, v, f"{key}.{k}") for k, v in value.items()}
     elif origin is dict:
         if isinstance(value, str):  # OTEL_EXPORTER_OTLP_HEADERS style: k=v,k2=v2
             pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
@@ -93,6 +100,22 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str):
             return value
     raise ConfigError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _build_entry(cls: type, value: Any, key: str) -> Any:
+    """One entry of a mapping of settings (a tenant of `server.tenants`): each of its keys
+    checked against `cls`'s fields; errors name `key.field`."""
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(key, f"expected a mapping of settings, got {type(value).__name__}")
+    types_ = _field_types(cls)
+    kwargs = {}
+    for k, v in value.items():
+        if k not in types_:
+            raise ConfigError(f"{key}.{k}", f"unknown key; expected one of {list(types_)}")
+        kwargs[k] = _coerce(v, types_[k], f"{key}.{k}")
+    return cls(**kwargs)
 
 
 def _set(raw: _Raw, dotted: str, value: Any, source: str) -> None:
@@ -181,7 +204,11 @@ def _build_section(section: str, values: dict[str, tuple[Any, str]]) -> Any:
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        sources = {values[k][1] for k in values if e.key == f"{section}.{k}"}
+        sources = {
+            values[k][1]
+            for k in values
+            if e.key == f"{section}.{k}" or e.key.startswith(f"{section}.{k}.")
+        }
         suffix = f" (from {sources.pop()})" if sources else ""
         raise ConfigError(e.key, f"{e.reason}{suffix}") from None
 
@@ -217,6 +244,8 @@ def load_config(
 
 
 def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     if isinstance(value, Mapping):
@@ -230,6 +259,9 @@ def config_to_dict(cfg: AppConfig, redact: bool = True) -> dict[str, dict[str, A
     for section in SECTIONS:
         obj = getattr(cfg, section)
         body = {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if redact and section == "server":
+            for tenant in body["tenants"].values():
+                tenant["keys"] = [_REDACTED] * len(tenant["keys"])
         for sec, key in _SECRET_KEYS:
             if redact and sec == section and body[key]:
                 v = body[key]

@@ -10,6 +10,8 @@ Checks raise `ConfigError` naming the key's dotted path.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.config import (
@@ -21,8 +23,8 @@ from engine.config import (
     ParallelConfig,
     RuntimeConfig,
     SchedulerConfig,
-    StructuredOutputsConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
@@ -106,6 +108,43 @@ class LoRASection:
 
 
 @dataclass(frozen=True)
+class TenantConfig:
+    """One tenant of `server.tenants` (the mapping's key is its name): the API keys that
+    belong to it, its weight (its share of the engine relative to the other tenants' under
+    the fair policies) and optional limits. See docs/tenancy.md."""
+
+    keys: tuple[str, ...] = ()
+    weight: float = 1.0
+    # Requests of this tenant in the running batch at once; null: no limit.
+    max_running: int | None = None
+    # Requests of this tenant waiting at once; more get 429 (that tenant only).
+    max_queued: int | None = None
+    # Tokens (prompt + max_tokens reserved at admission, reconciled at finish) per minute;
+    # over it: 429 with Retry-After.
+    tokens_per_minute: int | None = None
+
+    def check(self, name: str) -> None:
+        """Raises ConfigError naming `server.tenants.<name>.<key>`."""
+        key = f"server.tenants.{name}"
+        _require(bool(name.strip()), "server.tenants", "tenant names must be non-empty")
+        _require(
+            math.isfinite(self.weight) and self.weight > 0,
+            f"{key}.weight",
+            f"must be a finite number > 0, got {self.weight!r}",
+        )
+        for limit in ("max_running", "max_queued", "tokens_per_minute"):
+            v = getattr(self, limit)
+            _require(v is None or v >= 1, f"{key}.{limit}", "must be >= 1 or null")
+        _require(all(self.keys), f"{key}.keys", "keys must be non-empty strings")
+        _require(
+            bool(self.keys) or name == "default",
+            f"{key}.keys",
+            "must list at least one API key (only the `default` tenant, which every key "
+            "under no tenant belongs to, may have none)",
+        )
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """HTTP (and gRPC) frontends."""
 
@@ -157,8 +196,21 @@ class ServerConfig:
     # none, qwen3 (`<think>` at the start of the answer) or deepseek_r1 (reasoning until
     # `</think>`, its opening tag being in the prompt).
     reasoning_parser: str = "none"
+    # Tenants: name -> TenantConfig. A request's tenant is the one its API key is listed
+    # under (keys under no tenant, and every request when there are no keys, belong to
+    # `default`); tenant keys are added to api_keys. Fair share (scheduler.policy auto ->
+    # fair) and the limits are per tenant. See docs/tenancy.md.
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
+    # Salt prefix-cache entries by tenant (a hash of its name): tenants never share cached
+    # blocks; a tenant's keys do.
+    cache_salt_by_tenant: bool = False
+    # Seconds a request may take from arrival to finish when it sets no deadline itself
+    # (HTTP X-Request-Timeout, the gRPC deadline, KServe's `timeout`); then it is dropped
+    # from the queue (HTTP 504, gRPC DEADLINE_EXCEEDED) or stopped if running. null: none.
+    default_request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        self._check_tenants()
         _require(bool(self.host), "server.host", "must not be empty")
         _require(
             self.tool_parser in ("auto", "hermes", "llama3", "mistral", "none"),
@@ -193,6 +245,43 @@ class ServerConfig:
             "server.cache_salt_by_api_key",
             "needs server.api_keys (there is no key to salt by)",
         )
+        _require(
+            not self.cache_salt_by_tenant or bool(self.tenants),
+            "server.cache_salt_by_tenant",
+            "needs server.tenants (every request is the default tenant's)",
+        )
+        if self.default_request_timeout_s is not None:
+            t = self.default_request_timeout_s
+            _require(
+                math.isfinite(t) and t > 0,
+                "server.default_request_timeout_s",
+                "must be a finite number of seconds > 0, or null",
+            )
+
+    def _check_tenants(self) -> None:
+        """Each tenant's settings; a key under two tenants is refused; every tenant key
+        joins `api_keys` (built in code, tenants may be given as plain mappings)."""
+        tenants: dict[str, TenantConfig] = {}
+        owner: dict[str, str] = {}
+        for name, t in self.tenants.items():
+            if isinstance(t, Mapping):
+                try:
+                    t = TenantConfig(**t)
+                except TypeError as e:
+                    raise ConfigError(f"server.tenants.{name}", str(e)) from None
+            t.check(name)
+            for i, k in enumerate(t.keys):
+                _require(
+                    owner.get(k, name) == name,
+                    f"server.tenants.{name}.keys",
+                    f"key #{i + 1} is also listed under tenant {owner.get(k)!r}: a key "
+                    "belongs to one tenant",
+                )
+                owner[k] = name
+            tenants[name] = t
+        object.__setattr__(self, "tenants", tenants)
+        if owner:
+            object.__setattr__(self, "api_keys", tuple(dict.fromkeys((*self.api_keys, *owner))))
 
 
 @dataclass(frozen=True)
@@ -301,7 +390,8 @@ class AppConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def engine_config(self) -> EngineConfig:
-        """The engine's view; a RuntimeConfig error on a graphs field is renamed to graphs.*."""
+        """The engine's view; a RuntimeConfig error on a graphs field is renamed to graphs.*.
+        `scheduler.policy: auto` becomes fair with server.tenants, fcfs without."""
         try:
             runtime = RuntimeConfig(
                 device=self.runtime.device,
@@ -315,10 +405,14 @@ class AppConfig:
             if renamed is not e:
                 raise renamed from None
             raise
+        scheduler = self.scheduler
+        if scheduler.policy == "auto":
+            policy = "fair" if self.server.tenants else "fcfs"
+            scheduler = dataclasses.replace(scheduler, policy=policy)
         return EngineConfig(
             model=self.model,
             cache=self.cache,
-            scheduler=self.scheduler,
+            scheduler=scheduler,
             runtime=runtime,
             parallel=self.parallel,
             lora=self.lora.engine_config(),

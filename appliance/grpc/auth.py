@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from appliance.grpc.guard import same_shape
-from appliance.tenancy import request_cache_salt
+from appliance.tenancy import Caller, Tenancy, request_cache_salt
 
 EXEMPT_METHODS = frozenset(
     {
@@ -42,6 +42,18 @@ def cache_salt_of(
     """The call's prefix-cache salt (appliance.tenancy): the client's `cache_salt`, and its
     API key's hash with server.cache_salt_by_api_key (the key ApiKeyInterceptor checked)."""
     return request_cache_salt(user_salt, bearer_token(metadata), by_api_key)
+
+
+def caller_of(
+    metadata: Iterable[tuple[str, Any]] | None,
+    tenancy: Tenancy,
+    timeout_s: float | None,
+    arrival: float,
+) -> Caller:
+    """The call's tenant (by the key ApiKeyInterceptor checked), deadline and tenant salt
+    (appliance.tenancy): `timeout_s` is what the call asked for (its gRPC deadline's time
+    remaining, or KServe's `timeout` parameter), None for server.default_request_timeout_s."""
+    return tenancy.caller(bearer_token(metadata), timeout_s, arrival)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -16,6 +16,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from appliance.adapters import AdapterError
 from engine.errors import (
+    DeadlineExceededError,
     EngineDeadError,
     InvalidRequestError,
     QueueFullError,
@@ -33,6 +34,7 @@ ENGINE_ERRORS = (
     QueueFullError,
     EngineDeadError,
     RequestFailedError,
+    DeadlineExceededError,
 )
 
 
@@ -75,6 +77,8 @@ def from_engine_error(exc: BaseException, field_of: Callable[[str | None], str])
         return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message, field)
     if isinstance(exc, QueueFullError):
         return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, DeadlineExceededError):
+        return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
     if isinstance(exc, EngineDeadError):
         return RpcError(grpc.StatusCode.UNAVAILABLE, str(exc))
     if isinstance(exc, RequestFailedError):

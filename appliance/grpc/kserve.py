@@ -7,6 +7,11 @@ text; otherwise one response with the whole text (prompt first unless
 many requests on one bidirectional stream. Errors inside the stream arrive as
 `error_message` responses and the stream goes on, as Triton does; the unary rpcs use gRPC
 statuses (NOT_FOUND for an unknown model).
+
+A request's deadline is the earlier of the call's gRPC deadline and its `timeout`
+parameter (an integer of microseconds, as Triton reads it; 0 means none), else
+`server.default_request_timeout_s`; when it passes the request ends with DEADLINE_EXCEEDED
+(in-band on a stream).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import nullcontext
@@ -24,15 +30,16 @@ import grpc
 
 from appliance import structured
 from appliance.adapters import AdapterRegistry
-from appliance.config.schema import LoRASection
+from appliance.config.schema import LoRASection, ServerConfig
 from appliance.grpc import errors, kserve_embed
-from appliance.grpc.auth import cache_salt_of
+from appliance.grpc.auth import cache_salt_of, caller_of
 from appliance.grpc.errors import RpcError, invalid
 from appliance.grpc.guard import INTERNAL_MESSAGE
 from appliance.grpc.kserve_tensors import INPUTS, OUTPUTS, LLMRequest, infer_response, parse_request
 from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc as kpb_grpc
 from appliance.telemetry import Tracing, record_request_span
+from appliance.tenancy import Tenancy
 from engine.lora_request import LoRARequest
 from engine.output.request_output import SampleError
 from engine.request_stream import RequestStream, sole_choice_error
@@ -85,6 +92,24 @@ def _cache_salt(req: kpb.ModelInferRequest, metadata: Any, by_api_key: bool) -> 
     return cache_salt_of(metadata, user, by_api_key)
 
 
+def _timeout_s(req: kpb.ModelInferRequest, remaining: float | None) -> float | None:
+    """Seconds the request may take: its `timeout` parameter (microseconds, 0: none) and
+    the call's gRPC deadline (`remaining`), the earlier of the two; None when neither."""
+    p = req.parameters.get("timeout")
+    given = None
+    if p is not None:
+        kind = p.WhichOneof("parameter_choice")
+        value = getattr(p, kind) if kind in ("int64_param", "uint64_param") else None
+        if value is None or value < 0:
+            raise invalid(
+                "parameters.timeout", "must be an integer number of microseconds >= 0 (0: none)"
+            )
+        given = value / 1e6 if value else None
+    if remaining is not None:
+        given = remaining if given is None else min(given, remaining)
+    return given
+
+
 class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
     """Serves the engine's one model as a KServe v2 model named `model_name`, version "1"."""
 
@@ -96,8 +121,10 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         server_version: str = "0.1.0",
         cache_salt_by_api_key: bool = False,
         adapters: AdapterRegistry | None = None,
+        tenancy: Tenancy | None = None,
     ):
         self._engine = async_engine
+        self._tenancy = tenancy or Tenancy(ServerConfig())
         self._model = model_name
         self._tracing = tracing
         self._version = server_version
@@ -165,7 +192,9 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             parsed = parse_request(request)
             if parsed.stream:
                 raise errors.invalid("stream", "ModelInfer is unary; stream with ModelStreamInfer")
-            async for resp in self._generate(request, parsed, context.invocation_metadata(), lora):
+            remaining = context.time_remaining()
+            metadata = context.invocation_metadata()
+            async for resp in self._generate(request, parsed, metadata, lora, remaining):
                 result = resp
         except RpcError as e:
             await errors.abort(context, e)
@@ -198,7 +227,10 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         async def read() -> None:
             try:
                 async for req in request_iterator:
-                    task = asyncio.create_task(self._stream_one(req, carrier, out.put_nowait))
+                    remaining = context.time_remaining()
+                    task = asyncio.create_task(
+                        self._stream_one(req, carrier, out.put_nowait, remaining)
+                    )
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 while tasks:  # the client half-closed: finish what it asked for
@@ -221,6 +253,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         req: kpb.ModelInferRequest,
         carrier: Any,
         emit: Callable[[kpb.ModelStreamInferResponse], None],
+        remaining: float | None = None,
     ) -> None:
         def fail(message: str) -> None:
             head = kpb.ModelInferResponse(model_name=req.model_name, id=req.id)
@@ -235,7 +268,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                 emit(kpb.ModelStreamInferResponse(infer_response=resp))
                 return
             parsed = parse_request(req)
-            async for resp in self._generate(req, parsed, carrier, lora):
+            async for resp in self._generate(req, parsed, carrier, lora, remaining):
                 emit(kpb.ModelStreamInferResponse(infer_response=resp))
         except RpcError as e:
             fail(e.message)
@@ -247,20 +280,28 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             fail(INTERNAL_MESSAGE)
 
     async def _generate(
-        self, req: kpb.ModelInferRequest, parsed: LLMRequest, carrier: Any, lora: LoRARequest | None
+        self,
+        req: kpb.ModelInferRequest,
+        parsed: LLMRequest,
+        carrier: Any,
+        lora: LoRARequest | None,
+        remaining: float | None = None,
     ) -> AsyncIterator[kpb.ModelInferResponse]:
+        """`remaining`: seconds left of the call's gRPC deadline (None: it has none)."""
+        arrival = time.monotonic()
         # Client ids ("1", "2", ...) collide across clients; the engine gets its own.
         rid = f"kserve-{uuid.uuid4().hex}"
         final_flag = _wants_final_flag(req)
         n = parsed.params.n
         stream: RequestStream | None = None
         error: str | None = None
+        caller = caller_of(carrier, self._tenancy, _timeout_s(req, remaining), arrival)
         try:
-            salt = _cache_salt(req, carrier, self._salt_by_key)
+            salt = caller.salt + _cache_salt(req, carrier, self._salt_by_key)
             with self._adapters.admitting(lora) if lora else nullcontext():
                 stream = await self._engine.add_request(
                     parsed.text, parsed.params, rid, cache_salt=salt,
-                    lora_request=lora,
+                    lora_request=lora, tenant=caller.tenant, deadline=caller.deadline,
                 )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)
@@ -306,6 +347,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                     operation="text_completion",
                     model=req.model_name, params=parsed.params, request_id=rid,
                     error=error, aborted=stream.aborted and not error,
+                    tenant=caller.tenant.name,
                 )  # fmt: skip
 
     def _response(

@@ -8,6 +8,7 @@ for each sample that had not finished.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import nullcontext
@@ -18,10 +19,10 @@ import grpc
 
 from appliance import structured
 from appliance.adapters import AdapterRegistry
-from appliance.config.schema import LoRASection
+from appliance.config.schema import LoRASection, ServerConfig
 from appliance.dialect.chat_output import ChatDialect, DialectError, constrain, for_prompt
 from appliance.grpc import errors, native_embed
-from appliance.grpc.auth import cache_salt_of
+from appliance.grpc.auth import cache_salt_of, caller_of
 from appliance.grpc.errors import RpcError, invalid
 from appliance.grpc.native_chat import (
     ChatParsers,
@@ -37,6 +38,7 @@ from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
 from appliance.responses.store import ResponseStore, memory_store
 from appliance.responses.turn import Parsers
 from appliance.telemetry import Tracing, record_request_span
+from appliance.tenancy import Tenancy
 from engine.lora_request import LoRARequest
 from engine.output.request_output import SampleDelta
 from engine.request_stream import RequestStream, TokenCounts, sole_choice_error
@@ -109,8 +111,10 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         adapters: AdapterRegistry | None = None,
         responses_store: ResponseStore | None = None,
         keyed: bool = False,
+        tenancy: Tenancy | None = None,
     ):
         self._engine = async_engine
+        self._tenancy = tenancy or Tenancy(ServerConfig())
         self._model = model_name
         self._adapters = adapters or AdapterRegistry(async_engine, LoRASection(), model_name)
         self._tracing = tracing
@@ -186,7 +190,9 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.monotonic()
         params: SamplingParams | None = None
+        tenant: str | None = None
         operation, prompt_field = "text_completion", "prompt"
         rid: str | None = None
         call: _Call | None = None
@@ -221,7 +227,10 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                 except DialectError as e:
                     raise as_invalid(e) from None
             reader = ChatReader(dialect) if dialect is not None else None
-            salt = self._cache_salt(request, context)
+            metadata = context.invocation_metadata()
+            caller = caller_of(metadata, self._tenancy, context.time_remaining(), arrival)
+            tenant = caller.tenant.name
+            salt = caller.salt + self._cache_salt(request, context)
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
             if rid in self._active:
                 raise invalid("request_id", f"{rid!r} is already in flight")
@@ -229,7 +238,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
             with self._adapters.admitting(lora) if lora else nullcontext():
                 stream = await self._engine.add_request(
                     prompt, params, rid, priority=request.priority, cache_salt=salt,
-                    lora_request=lora,
+                    lora_request=lora, tenant=caller.tenant, deadline=caller.deadline,
                 )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)
@@ -266,6 +275,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                         stream.output() if self._tracing else None,
                         operation=operation, model=served, params=params,
                         request_id=rid, error=error, aborted=stream.aborted and not error,
+                        tenant=tenant,
                     )  # fmt: skip
 
     def _response(self, rid: str, d: SampleDelta, usage: TokenCounts | None) -> pb.GenerateResponse:

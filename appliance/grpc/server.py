@@ -29,6 +29,7 @@ from appliance.grpc.proto.appliance.v1 import appliance_pb2, appliance_pb2_grpc
 from appliance.grpc.proto.inference import grpc_service_pb2_grpc
 from appliance.responses.store import ResponseStore
 from appliance.telemetry import Tracing, grpc_server_interceptors
+from appliance.tenancy import Tenancy
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class GrpcSettings:
     max_pending_calls: int = 16384
     # Salt every call's prefix-cache entries by its API key (appliance.tenancy).
     cache_salt_by_api_key: bool = False
+    # API key -> tenant, deadlines, tenant salts (server.tenants and friends); None: no
+    # tenants, no default deadline.
+    tenancy: Tenancy | None = None
     # The chat dialect's parsers (server.tool_parser, server.reasoning_parser).
     chat_parsers: ChatParsers = ChatParsers()
     # How often health re-reads the engine's state.
@@ -77,6 +81,7 @@ class GrpcSettings:
             max_pending_calls=server.grpc_max_pending_calls,
             cache_salt_by_api_key=server.cache_salt_by_api_key,
             chat_parsers=ChatParsers(server.tool_parser, server.reasoning_parser),
+            tenancy=Tenancy(server),
             **overrides,
         )
 
@@ -153,6 +158,7 @@ async def start_grpc_server(
             adapters,
             responses_store,
             keyed=bool(settings.api_keys),
+            tenancy=settings.tenancy,
         ),  # fmt: skip
         server,
     )
@@ -164,6 +170,7 @@ async def start_grpc_server(
             settings.server_version,
             settings.cache_salt_by_api_key,
             adapters,
+            settings.tenancy,
         ),  # fmt: skip
         server,
     )

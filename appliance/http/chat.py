@@ -31,6 +31,7 @@ from appliance.dialect.chat_output import (
 from appliance.dialect.prompt import render_messages
 from appliance.dialect.tools_prompt import template_text
 from appliance.http import convert
+from appliance.http.caller import caller_of
 from appliance.http.errors import bad_request, from_engine_error
 from appliance.http.middleware import cache_salt_of
 from appliance.http.protocol import (
@@ -182,6 +183,7 @@ async def create_chat_completion(request: Request) -> Response:
         trace=(request, "chat"),
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
         lora_request=lora,
+        caller=caller_of(request, state, arrival),
     )
     events = _stream(state, req, dialect, rid, streams, map_param) if req.stream else None
     return await respond(

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from appliance.http import convert, echo
+from appliance.http.caller import caller_of
 from appliance.http.errors import bad_request, from_engine_error
 from appliance.http.middleware import cache_salt_of
 from appliance.http.protocol import (
@@ -72,6 +73,7 @@ async def create_completion(request: Request) -> Response:
         trace=(request, "text_completion"),
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
         lora_request=lora,
+        caller=caller_of(request, state, arrival),
     )
     events = _stream(state, req, rid, prompts, streams, map_param) if req.stream else None
     return await respond(

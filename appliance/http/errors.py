@@ -8,6 +8,7 @@ Starlette's 404/405, and anything unexpected (500 without internals in the messa
 from __future__ import annotations
 
 import logging
+import math
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -18,6 +19,7 @@ from appliance.adapters import AdapterError
 from appliance.responses.errors import ResponsesError
 from engine.errors import (
     ContextLengthError,
+    DeadlineExceededError,
     EngineDeadError,
     InvalidRequestError,
     QueueFullError,
@@ -32,6 +34,7 @@ AUTHENTICATION = "authentication_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable"
+TIMEOUT = "timeout_error"
 
 # pydantic's own loc elements for union members, e.g. ("prompt", "list[int]", 0)
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
@@ -110,8 +113,9 @@ def from_validation_error(e: ValidationError) -> APIError:
 
 
 def from_engine_error(e: Exception) -> APIError:
-    """Maps engine exceptions to statuses: never-servable 400, full 429, dead 503, failed 500;
-    and the adapter registry's refusals with the status they carry."""
+    """Maps engine exceptions to statuses: never-servable 400, full (or a tenant's limit)
+    429 with Retry-After, deadline passed 504, dead 503, failed 500; and the adapter
+    registry's refusals with the status they carry."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, AdapterError):
@@ -125,7 +129,10 @@ def from_engine_error(e: Exception) -> APIError:
     if isinstance(e, InvalidRequestError):
         return bad_request(str(e), e.param)
     if isinstance(e, QueueFullError):
-        return APIError(429, str(e), RATE_LIMIT, None, "queue_full", {"Retry-After": "1"})
+        retry = str(max(1, math.ceil(e.retry_after_s)))
+        return APIError(429, str(e), RATE_LIMIT, None, e.code, {"Retry-After": retry})
+    if isinstance(e, DeadlineExceededError):
+        return APIError(504, str(e), TIMEOUT, None, "deadline_exceeded")
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), UNAVAILABLE, None, "engine_unavailable")
     if isinstance(e, RequestFailedError):

@@ -39,6 +39,11 @@ def _bearer(scope: Scope) -> str | None:
     return None
 
 
+def api_key_of(scope: Scope) -> str | None:
+    """The bearer key the request carries (AuthMiddleware has checked it when keys are on)."""
+    return _bearer(scope)
+
+
 def cache_salt_of(scope: Scope, user_salt: str | None, by_api_key: bool) -> tuple[str, ...]:
     """The request's prefix-cache salt (appliance.tenancy): the client's `cache_salt`, and
     its API key's hash with server.cache_salt_by_api_key (the key AuthMiddleware checked)."""

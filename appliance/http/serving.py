@@ -38,6 +38,7 @@ from appliance.http.protocol import (
 from appliance.http.tracing_hook import HttpRequestTracer
 from appliance.metrics import ApplianceMetrics
 from appliance.responses.store import ResponseStore
+from appliance.tenancy import Caller, Tenancy
 from engine.async_engine import AsyncEngine
 from engine.lora_request import LoRARequest
 from engine.output.request_output import RequestDelta, RequestOutput
@@ -65,7 +66,13 @@ class AppState:
     tracer: HttpRequestTracer | None = None
     # Stored responses of /v1/responses (build_app makes an in-memory one when none is given).
     responses: ResponseStore | None = None
+    # API key -> tenant (built from `server` when not given): see appliance/tenancy.py.
+    tenancy: Tenancy | None = None
     _token_strs: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tenancy is None:
+            self.tenancy = Tenancy(self.server)
 
     @property
     def model_name(self) -> str:
@@ -139,9 +146,11 @@ async def submit(
     trace: tuple[Request, str] | None = None,
     cache_salt: tuple[str, ...] = (),
     lora_request: LoRARequest | None = None,
+    caller: Caller | None = None,
 ) -> list[RequestStream]:
     """Adds one engine request per prompt (run with `lora_request`'s adapter, if given); on
-    any failure aborts those already added.
+    any failure aborts those already added. `caller` (appliance/http/caller.py): the
+    tenant and deadline every prompt runs under, and the tenant's cache salt.
 
     `trace` is (the HTTP request, GenAI operation name): with tracing on, each engine
     request is recorded as a span joined to the caller's `traceparent` when it ends."""
@@ -163,8 +172,10 @@ async def submit(
                         rid,
                         priority=priority,
                         arrival_time=arrival_time,
-                        cache_salt=cache_salt,
+                        cache_salt=(*caller.salt, *cache_salt) if caller else cache_salt,
                         lora_request=lora_request,
+                        tenant=caller.tenant if caller else None,
+                        deadline=caller.deadline if caller else None,
                     )  # fmt: skip
                 )
                 if lora_request is not None:

@@ -62,4 +62,5 @@ class HttpRequestTracer:
             request_id=f.request_id,
             error=(f.output.error if f.output is not None else None),
             aborted=f.finish_reason == "abort",
+            tenant=f.tenant,
         )

@@ -9,8 +9,14 @@ through these checks, so a limit and its message are written once:
   nothing and so may fill the whole context;
 - `check_task`: the request is of the kind the model serves (generation or embeddings);
 - `check_new_id`: the id is not held already;
-- `check_queue_room`: the waiting queue has room for all of a request's samples;
+- `check_queue_room`: the waiting queue has room for all of a request's samples (with
+  tenants, a full queue pushes out the most over-share tenant's requests first:
+  `engine.core.policy.overflow`);
+- `check_deadline`: the request's deadline has not passed already;
+- `check_tenant_queue_room`: its tenant has fewer than `max_queued` requests waiting;
 - `check_stop_limits`: stop strings and stop token ids within the scheduler's bounds.
+
+A tenant's `tokens_per_minute` is checked beside these, by `engine.core.policy.token_rate`.
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ from __future__ import annotations
 from collections.abc import Container
 
 from engine.config import SchedulerConfig
-from engine.errors import ContextLengthError, InvalidRequestError, QueueFullError
+from engine.core.policy.tenant import Tenant
+from engine.errors import (
+    ContextLengthError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    QueueFullError,
+    TenantQueueFullError,
+)
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -119,6 +132,26 @@ def check_queue_room(num_waiting: int, num_new: int, max_queue_len: int) -> None
     """Raises `QueueFullError` unless `num_new` more requests fit the waiting queue."""
     if num_waiting + num_new > max_queue_len:
         raise QueueFullError(f"the waiting queue is full ({max_queue_len} requests); retry later")
+
+
+def check_deadline(deadline: float | None, now: float) -> None:
+    """Raises `DeadlineExceededError` when `deadline` (scheduler clock) is not after `now`:
+    a request that arrives expired is never queued."""
+    if deadline is not None and deadline <= now:
+        raise DeadlineExceededError(
+            f"the request's deadline passed {now - deadline:.3f}s before it reached the queue"
+        )
+
+
+def check_tenant_queue_room(tenant: Tenant, num_queued: int) -> None:
+    """Raises `TenantQueueFullError` when `tenant` already has `max_queued` requests
+    waiting (its other requests and every other tenant's are unaffected)."""
+    limit = tenant.max_queued
+    if limit is not None and num_queued >= limit:
+        raise TenantQueueFullError(
+            f"tenant {tenant.name!r} already has {num_queued} requests waiting "
+            f"(max_queued {limit}); retry later"
+        )
 
 
 def check_stop_limits(params: SamplingParams, limits: SchedulerConfig) -> None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.core.policy.tenant import DEFAULT_TENANT, Tenant
 from engine.lora_request import LoRARequest
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -62,6 +63,8 @@ class RequestTimes:
     # state; its time counts in TTFT like any wait).
     kv_load_started: float | None = None
     kv_load_finished: float | None = None
+    # When the scheduler ended it because its deadline had passed (None: it did not).
+    expired: float | None = None
 
 
 class Request:
@@ -83,6 +86,8 @@ class Request:
         lora_key: bytes | None = None,
         lora: object | None = None,
         pooling_params: PoolingParams | None = None,
+        tenant: Tenant | None = None,
+        deadline: float | None = None,
     ):
         """`pooling_params`: a prefill-only (embedding) request; its `sampling_params` are
         then a default nothing reads, and it finishes when its prompt is computed."""
@@ -132,6 +137,14 @@ class Request:
         self.times = RequestTimes()
         if arrival_time is not None:
             self.times.arrival = arrival_time
+        # Scheduling policy (engine/core/policy): whose share it runs on, the time on the
+        # scheduler's clock by which it must have finished (None: no deadline), the highest
+        # token position charged to its tenant (positions below it are recompute), and the
+        # tokens reserved against its tenant's tokens_per_minute.
+        self.tenant = tenant if tenant is not None else DEFAULT_TENANT
+        self.deadline = deadline
+        self.num_charged_tokens = 0
+        self.reserved_tokens = 0
 
     @property
     def num_tokens(self) -> int:

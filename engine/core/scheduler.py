@@ -4,17 +4,23 @@ Pure Python, no torch. Each request only has tokens computed (K/V in the cache) 
 known (prompt + output); every step hands out at most `max_num_batched_tokens` of the
 difference to at most `max_num_seqs` requests:
 
+0. Requests whose deadline has passed are ended first, whatever their state (a waiting one
+   before any compute; a running one before its next step, its blocks freed).
 1. Running requests first, in running (admission) order: decodes and continuing prefill
-   chunks. When the KV pool can't cover one, a victim is preempted (FCFS: the newest running
-   request; priority: the largest priority value, latest arrival), its blocks freed and its
-   progress reset, and the allocation retried. A victim already scheduled earlier in this
-   step (possible only under the priority policy) is un-scheduled: its tokens go back to the
-   budget and it leaves this step's output.
-2. Then waiting requests in policy order, unless something was preempted this step (no new
+   chunks. When the KV pool can't cover one, a victim is preempted (the policy picks it,
+   `engine.core.policy.victims`: FCFS the newest running request; priority the largest
+   priority value, latest arrival; fair the tenant furthest above its share), its blocks
+   freed and its progress reset, and the allocation retried. A victim already scheduled
+   earlier in this step is un-scheduled: its tokens go back to the budget and it leaves
+   this step's output.
+2. Then waiting requests in policy order (`engine.core.policy.tenant_queue`: per tenant,
+   the tenant picked by the policy), unless something was preempted this step (no new
    admissions under memory pressure). A prompt longer than the budget left is chunked and
    continues next step. The first allocation failure stops admission for this step; we do
-   not preempt running requests to admit waiting ones, under either policy (a high-priority
-   arrival waits for memory like any other).
+   not preempt running requests to admit waiting ones for memory, under any policy (a
+   high-priority arrival waits for memory like any other). A tenant at its `max_running`
+   is passed over for the rest of the step. With `preempt_for_fairness` (fair policies
+   only), a full set of seats is the one exception: see `_swap_for_share`.
 
 `num_computed_tokens` is advanced when `schedule()` returns (as in vLLM v1): the runner will
 compute the scheduled tokens, so the next step may already schedule the token sampled from
@@ -54,7 +60,7 @@ their blocks freed in that step. Their blocks are never registered in the prefix
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -62,8 +68,11 @@ from engine.core import admission
 from engine.core.adapter_slots import AdapterSlots, count_adapters, uses_adapter
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.kv_tier.manager import KVTierManager
+from engine.core.policy.deadlines import expiry_error
+from engine.core.policy.overflow import pushed_out_error
+from engine.core.policy.policy import SchedulingPolicy, TenantStats
+from engine.core.policy.tenant_slots import TenantSlots, share_victim
 from engine.core.request import Request, RequestStatus
-from engine.core.request_queue import make_queue
 from engine.core.spec.speculator import Speculator
 from engine.core.step_io import (
     CachedRequestData,
@@ -73,6 +82,7 @@ from engine.core.step_io import (
     SchedulerOutput,
 )
 from engine.core.stop import check_stop
+from engine.errors import EngineError
 
 __all__ = ["Scheduler"]
 
@@ -112,10 +122,13 @@ class Scheduler:
         max_loras: int | None = None,
         speculator: Speculator | None = None,
         kv_tier: KVTierManager | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`max_loras`: distinct LoRA adapters the running requests may use at once (the
         runner's slots); None when LoRA is off. `speculator`: speculative decoding, or None.
-        `kv_tier`: the KV tiers behind the pool (over this `kv_manager`), or None."""
+        `kv_tier`: the KV tiers behind the pool (over this `kv_manager`), or None. `clock`:
+        the time requests' deadlines and timestamps are on (monotonic seconds; tests pass a
+        fake one)."""
         if max_model_len < 2:
             raise ValueError("max_model_len: must be >= 2 (one prompt and one output token)")
         self.config = config
@@ -126,9 +139,13 @@ class Scheduler:
         self.kv_tier = kv_tier
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
-        self.waiting = make_queue(config.policy)
+        self.clock = clock
+        self.policy = SchedulingPolicy(config)
+        self.waiting = self.policy.queue
         self.num_preemptions = 0
-        self._priority = config.policy == "priority"
+        # Requests the scheduler ended itself (a deadline passed, pushed out of a full
+        # queue), with the error their caller gets, until the engine takes them.
+        self._dropped: list[tuple[Request, EngineError]] = []
         # Ids the runner holds state for that finished or were aborted since the last step.
         self._left_batch: set[str] = set()
         # The last schedule's token counts until its results come back: a request finished
@@ -171,8 +188,10 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queues a request; raises if it is a duplicate, can never run, or the queue is full
-        (the checks of `engine.core.admission`).
+        """Queues a request; raises if it is a duplicate, can never run, its deadline has
+        passed, its tenant is at a limit, or the queue is full (the checks of
+        `engine.core.admission` and the policy's). At a full queue the most over-share
+        tenant's last request may be pushed out instead (`take_dropped` reports it).
 
         Sets `request.max_tokens` to the context left when it is None.
         """
@@ -191,17 +210,24 @@ class Scheduler:
                 kv.block_size,
                 kv.num_blocks,
             )
-        admission.check_queue_room(len(self.waiting), 1, self.config.max_queue_len)
+        now = self.clock()
+        pushed = self.policy.check_admission(request, now, self.config.max_queue_len)
+        if pushed is not None:  # the queue is full: the most over-share tenant's last one
+            self._drop([(pushed, pushed_out_error(pushed, self.config.max_queue_len))])
         request.status = _WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        self.policy.admitted(request, now)
 
     # ---- scheduling ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Picks this step's requests and token counts; see the module docstring."""
-        now = time.monotonic()
+        now = self.clock()
+        self._expire_deadlines(now)
         step = _Step(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step, now)
+        # Charged before admission, so that admission sees this step's work in the counters.
+        self.policy.charge_running(step.running, step.num_scheduled)
         if not step.preempted:
             self._schedule_waiting(step, now)
         return self._build_output(step)
@@ -291,7 +317,7 @@ class Scheduler:
 
         Returns the new blocks (None if `req` itself was preempted) and `req`'s index after
         the removals. FCFS victims come from the tail, i.e. not yet scheduled this step;
-        a priority victim may have been, and `_preempt` un-schedules it.
+        a priority or fair victim may have been, and `_preempt` un-schedules it.
         """
         while True:
             v = self._pick_victim()
@@ -306,18 +332,8 @@ class Scheduler:
                 return blocks, i
 
     def _pick_victim(self) -> int:
-        """Index in `running` of the request to preempt."""
-        running = self.running
-        if not self._priority:
-            return len(running) - 1
-        best = 0
-        best_key = (running[0].priority, running[0].times.arrival)
-        for j in range(1, len(running)):
-            r = running[j]
-            key = (r.priority, r.times.arrival)
-            if key >= best_key:  # ties: the later one in running order
-                best, best_key = j, key
-        return best
+        """Index in `running` of the request to preempt (the policy's choice)."""
+        return self.policy.pick_victim(self.running)
 
     def _preempt(self, index: int, step: _Step, now: float) -> None:
         """Frees `running[index]`'s blocks, resets its progress and queues it again."""
@@ -349,8 +365,12 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         skipped: list[Request] = []
         adapters = AdapterSlots(self.max_loras, running)
+        tenants = TenantSlots(running)
         while waiting and step.budget > 0 and len(running) < max_seqs:
             req = waiting.peek()
+            if not tenants.admits(req):  # its tenant is at max_running: pass it over
+                waiting.park(req.tenant.name)
+                continue
             leader = self._fork_leader(req)
             if (
                 leader is False
@@ -359,24 +379,75 @@ class Scheduler:
             ):
                 skipped.append(waiting.pop())
                 continue
-            if leader is None:
-                start, n = self._allocate_new(req, step.budget)
-            else:
-                start, n = self._allocate_fork(req, leader, step.budget)
-            if n == 0:  # the pool can't cover it: stop admitting this step
-                break
-            waiting.pop()
-            running.append(req)
-            adapters.add(req)
-            req.status = _RUNNING
-            if req.times.first_scheduled is None:
-                req.times.first_scheduled = now
-                req.num_cached_tokens = start
-            step.num_scheduled[req.request_id] = n
-            step.admitted.append((req, start))
-            step.budget -= n
+            if not self._admit(req, leader, step, now, adapters, tenants):
+                break  # the pool can't cover it: stop admitting this step
+        if self.policy.preempt_for_share and waiting and len(running) >= max_seqs:
+            self._swap_for_share(step, now, adapters, tenants)
+        waiting.unpark_all()
         if skipped:
             waiting.restore(skipped)
+
+    def _admit(
+        self,
+        req: Request,
+        leader: Request | None,
+        step: _Step,
+        now: float,
+        adapters: AdapterSlots,
+        tenants: TenantSlots,
+    ) -> bool:
+        """Moves the head of the queue, `req`, to running with its first chunk; False (and
+        nothing changed) when the pool can't cover the chunk."""
+        if leader is None:
+            start, n = self._allocate_new(req, step.budget)
+        else:
+            start, n = self._allocate_fork(req, leader, step.budget)
+        if n == 0:
+            return False
+        self.waiting.pop()
+        self.running.append(req)
+        adapters.add(req)
+        tenants.added(req)
+        req.status = _RUNNING
+        if req.times.first_scheduled is None:
+            req.times.first_scheduled = now
+            req.num_cached_tokens = start
+        step.num_scheduled[req.request_id] = n
+        step.admitted.append((req, start))
+        step.budget -= n
+        self.policy.charge_admitted(req, start, n)
+        return True
+
+    def _swap_for_share(
+        self, step: _Step, now: float, adapters: AdapterSlots, tenants: TenantSlots
+    ) -> None:
+        """Every seat is held (`preempt_for_fairness`, fair policies): while the head of the
+        queue's tenant runs fewer than its weighted share of the seats and another tenant
+        runs more than its share and has been served more, preempts that tenant's last
+        request (`policy.tenant_slots.share_victim`) and admits the head in its seat. The
+        victim is recomputed later (mostly from the prefix cache: its blocks stay cached
+        until evicted); without this, the head waits for the next seat to free, which under
+        a flood of long requests can take a whole request's time.
+        """
+        waiting, counter = self.waiting, self.policy.counter
+        assert counter is not None
+        keep = {r.request_id for r, _ in step.admitted}
+        while waiting and step.budget > 0:
+            req = waiting.peek()
+            if not tenants.admits(req) or req.fork_from is not None or not adapters.admits(req):
+                return
+            v = share_victim(
+                req, self.running, tenants.counts(), waiting.backlog(),
+                self.config.max_num_seqs, counter, keep,
+            )  # fmt: skip
+            if v is None:
+                return
+            victim = self.running[v]
+            self._preempt(v, step, now)
+            tenants.removed(victim)
+            if not self._admit(req, None, step, now, adapters, tenants):
+                return
+            keep.add(req.request_id)
 
     def _fork_leader(self, req: Request) -> Request | None | bool:
         """For a fork sample: the leader to share with, False to wait for it, None for no fork.
@@ -505,7 +576,7 @@ class Scheduler:
         token sampled at the end of a `max_tokens=0` request's prompt: it finishes with
         FINISHED_LENGTH and no output as soon as its whole prompt is computed.
         """
-        now = time.monotonic()
+        now = self.clock()
         self._in_flight = {}
         if runner_output.kv_tier is not None and self.kv_tier is not None:
             self.kv_tier.apply(runner_output.kv_tier)
@@ -593,6 +664,7 @@ class Scheduler:
         self.kv_manager.free(req)
         if self.kv_tier is not None:  # loading or not: what its loads pinned goes
             self.kv_tier.on_finished(req)
+        self.policy.on_finish(req, now)
         del self.requests[req.request_id]
         if self.speculator is not None:
             self.speculator.on_finished(req)
@@ -610,7 +682,7 @@ class Scheduler:
             raise ValueError(f"status: {status.name} is not a finished status")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
-        now = time.monotonic()
+        now = self.clock()
         done: list[Request] = []
         queued: list[Request] = []
         for rid in request_ids:
@@ -658,3 +730,33 @@ class Scheduler:
         """Aborts a request in any state; None if it is unknown or already finished."""
         done = self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
         return done[0] if done else None
+
+    # ---- tenants and deadlines -------------------------------------------------------------
+    def _expire_deadlines(self, now: float) -> None:
+        """Ends every request whose deadline has passed, before this step computes anything.
+
+        Whatever its state: a waiting (or preempted) request was never given this step, a
+        running one is aborted and its blocks freed now (`finish_requests` -> `_finish`),
+        and the runner drops it with this step's `finished_req_ids`. A state added later
+        that holds more than blocks (a request waiting on a KV-tier load) is released in
+        `_finish` as well, so expiring it here needs nothing more.
+        """
+        expired = self.policy.expired(now, self.requests)
+        if expired:
+            self._drop([(r, expiry_error(r, now)) for r in expired])
+
+    def _drop(self, dropped: list[tuple[Request, EngineError]]) -> None:
+        """Ends each request with the error its caller gets (`take_dropped`)."""
+        self.finish_requests([r.request_id for r, _ in dropped], RequestStatus.FINISHED_ERROR)
+        self._dropped += dropped
+
+    def take_dropped(self) -> list[tuple[Request, EngineError]]:
+        """Requests the scheduler ended itself since the last call, each with the error its
+        caller must get (deadline passed: `DeadlineExceededError`; pushed out of a full
+        queue: `QueueFullError`). The engine fails their whole groups."""
+        out, self._dropped = self._dropped, []
+        return out
+
+    def tenant_stats(self) -> dict[str, TenantStats]:
+        """Requests running and waiting, and virtual token counters, per tenant."""
+        return self.policy.tenant_stats(self.running)

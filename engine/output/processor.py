@@ -93,6 +93,7 @@ class RequestGroup:
             tier_cached_tokens=dict(samples[0].tier_cached_tokens),
             kv_load_start_time=times[0].kv_load_started,
             kv_load_end_time=times[0].kv_load_finished,
+            expired_time=min((t.expired for t in times if t.expired), default=None),
         )
 
 

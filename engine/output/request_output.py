@@ -69,6 +69,8 @@ class RequestMetrics:
     tier_cached_tokens: dict[str, int] = field(default_factory=dict)
     kv_load_start_time: float | None = None
     kv_load_end_time: float | None = None
+    # When the scheduler ended it because its deadline had passed (None: it did not).
+    expired_time: float | None = None
 
     @property
     def spec_mean_acceptance_length(self) -> float | None:
@@ -149,6 +151,9 @@ class RequestDelta:
     metrics: RequestMetrics | None = None  # on the first and the last delta
     error: str | None = None  # the request as a whole failed inside the engine (a failed step)
     embedding: list[float] | None = None  # a prefill-only request's vector, on its last delta
+    # The exception its stream raises (an engine.errors class: DeadlineExceededError,
+    # QueueFullError); None: RequestFailedError.
+    error_type: type[Exception] | None = None
 
 
 class _SampleSum:
@@ -201,6 +206,7 @@ class OutputAccumulator:
         self.metrics: RequestMetrics | None = None
         self.error: str | None = None
         self.embedding: list[float] | None = None
+        self.error_type: type[Exception] | None = None
         self.finished = False
         self.num_output_tokens = 0  # over all samples
 
@@ -211,7 +217,7 @@ class OutputAccumulator:
         if delta.metrics is not None:
             self.metrics = delta.metrics
         if delta.error is not None:
-            self.error = delta.error
+            self.error, self.error_type = delta.error, delta.error_type
         if delta.embedding is not None:
             self.embedding = delta.embedding
         self.finished = self.finished or delta.finished
@@ -279,6 +285,7 @@ class OutputAccumulator:
             metrics=self.metrics,
             error=self.error,
             embedding=self.embedding,
+            error_type=self.error_type,
         )
 
     def _sorted(self) -> list[_SampleSum]:

@@ -324,8 +324,11 @@ class ModelRunner:
         sampled = self.sampler(logits, rows, bitmask)
         # Grammars in their error state end their request here, not sampled: their mask
         # allows EOS alone, a "stop" that would break the grammar.
-        errors = {g.req_id: why for g, st in zip(groups, states, strict=True)
-                  if (why := _grammar_error(st)) is not None}
+        errors = {
+            g.req_id: why
+            for g, st in zip(groups, states, strict=True)
+            if (why := _grammar_error(st)) is not None
+        }
         results = (
             draft_rejection(self.proposer, groups, states, logits, rows, bitmask)
             if self.proposer is not None

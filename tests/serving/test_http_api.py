@@ -276,7 +276,8 @@ def test_metrics_parse_and_count_requests_by_outcome():
         outcome = [
             s for s in fams["appliance_requests_finished"].samples if s.name.endswith("_total")
         ]
-        assert outcome[0].labels == {"finish_reason": "length"} and outcome[0].value == 2
+        assert outcome[0].labels == {"finish_reason": "length", "tenant": "default"}
+        assert outcome[0].value == 2
         for name in ("appliance_time_to_first_token_seconds", "appliance_e2e_request_latency_seconds",
                      "appliance_time_per_output_token_seconds", "appliance_request_queue_time_seconds"):  # fmt: skip
             count = [s for s in fams[name].samples if s.name.endswith("_count")]

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.grpc.proto.appliance.v1 import appliance_pb2_grpc as pb_grpc
@@ -319,3 +319,25 @@ def test_http_request_through_the_asgi_middleware_exports_over_otlp_http(
         assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
     a = _attrs(genai[0])
     assert (a["gen_ai.usage.output_tokens"], a["gen_ai.response.id"]) == (4, "http-1")
+
+
+def test_a_request_ended_by_its_deadline_gets_an_event_and_the_span_names_its_tenant() -> None:
+    tracing, exporter = _tracing_in_memory()
+    queued = RequestOutput("q", "hi", [1], [CompletionOutput(0, "", [], "error")], True,
+                           metrics=RequestMetrics(arrival_time=100.0, finished_time=101.0,
+                                                  expired_time=101.0),
+                           error="deadline passed")  # fmt: skip
+    running = _output()
+    running.metrics.expired_time = 101.75
+    for out in (queued, running):
+        record_request_span(tracing, None, out, operation="text_completion", model="tiny",
+                            params=SamplingParams(), tenant="search")  # fmt: skip
+    tracing.force_flush()
+    spans = exporter.get_finished_spans()
+    off = tracing.epoch_offset_ns
+    expected = (("queue", 101_000_000_000), ("running", 101_750_000_000))
+    for span, (stage, at) in zip(spans, expected, strict=True):
+        (event,) = [e for e in span.events if e.name == "deadline_exceeded"]
+        assert event.timestamp - off == at and event.attributes["appliance.deadline.stage"] == stage
+        assert span.attributes["appliance.tenant"] == "search"
+    assert spans[0].status.status_code is StatusCode.ERROR

@@ -57,6 +57,7 @@ class FakeStats:
     lora_waiting: dict[str, int] = field(default_factory=dict)
     spec_decode: object | None = None  # speculative decoding is off in the fake
     kv_tier: object | None = None
+    tenants: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -115,6 +116,8 @@ class FakeLLMEngine:
         arrival_time=None,
         cache_salt=None,  # the fake has no prefix cache
         lora_request=None,
+        tenant=None,  # the fake has no tenants and keeps no deadlines
+        deadline=None,
     ):
         if lora_request is not None:
             raise LoRAError("the fake engine serves no LoRA adapters")

@@ -8,9 +8,11 @@ request's blocks tail first to the tail of the queue. Most tests use block_size 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 from engine.config import SchedulerConfig
 from engine.core.kv_cache.manager import KVCacheManager
+from engine.core.policy.tenant import Tenant
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.spec.speculator import Speculator
@@ -29,6 +31,8 @@ def make_request(
     *,
     eos: int | None = None,
     fork_from: str | None = None,
+    tenant: Tenant | None = None,
+    deadline: float | None = None,
     **params,
 ) -> Request:
     """A request whose prompt is `prompt` tokens unique to its id (no accidental prefix hits),
@@ -45,6 +49,8 @@ def make_request(
         arrival_time=arrival,
         priority=priority,
         fork_from=fork_from,
+        tenant=tenant,
+        deadline=deadline,
     )
 
 
@@ -58,15 +64,35 @@ def make_scheduler(
     max_queue_len: int = 64,
     prefix_caching: bool = True,
     speculator: Speculator | None = None,
+    clock: Callable[[], float] | None = None,
+    **config,
 ) -> Scheduler:
+    """`config`: further SchedulerConfig fields (charge weights, preempt_for_fairness);
+    `clock`: the scheduler's clock (a `FakeClock` for deadlines and token rates)."""
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         policy=policy,
         max_queue_len=max_queue_len,
+        **config,
     )
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    return Scheduler(cfg, kv, max_model_len, speculator=speculator)
+    return Scheduler(
+        cfg, kv, max_model_len, speculator=speculator, **({} if clock is None else {"clock": clock})
+    )
+
+
+class FakeClock:
+    """A scheduler clock that moves only when the test says (`advance`)."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def fake_runner_output(

@@ -22,6 +22,7 @@ from typing import Any
 from appliance.config import ServerConfig
 from appliance.http.app import build_app
 from appliance.http.server import BackgroundServer
+from appliance.tenancy import Tenancy
 from engine.async_engine import AsyncEngine
 from engine.config import (
     CacheConfig,
@@ -113,6 +114,7 @@ def start_stack(
         grpc_settings.setdefault("api_keys", server.api_keys)
     grpc_settings.setdefault("max_receive_bytes", server.max_request_body)
     grpc_settings.setdefault("cache_salt_by_api_key", server.cache_salt_by_api_key)
+    grpc_settings.setdefault("tenancy", Tenancy(server))
     harness = start_harness(llm_engine, **grpc_settings)
     harness.engine.max_consecutive_failures = max_consecutive_failures
     http = BackgroundServer(

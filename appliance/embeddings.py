@@ -16,6 +16,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from appliance.tenancy import Caller
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.output.request_output import RequestOutput
@@ -71,12 +72,16 @@ async def embed_all(
     priority: int = 0,
     arrival_time: float | None = None,
     trace: tuple[Callable[[str], None], Callable[[str], None]] | None = None,
+    caller: Caller | None = None,
 ) -> list[RequestOutput]:
     """Every input's output (its `embedding` set), in order. Engine request ids are
     `base_id` (one input) or `base_id-i`. `trace`: (register, forget) of a request tracer:
     each id is registered before it is queued (a short input may finish before the add
     returns), and forgotten if it never was. An error names the input: `input[i]` for a
-    batch. Cancelling aborts them all."""
+    batch. Cancelling aborts them all. `caller`: the tenant and deadline every input runs
+    under (appliance/tenancy.py)."""
+    tenant = caller.tenant if caller is not None else None
+    deadline = caller.deadline if caller is not None else None
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(inputs):
@@ -85,8 +90,9 @@ async def embed_all(
                 trace[0](rid)
             try:
                 stream = await aeng.add_request(
-                    prompt, params, rid, priority=priority, arrival_time=arrival_time
-                )
+                    prompt, params, rid, priority=priority, arrival_time=arrival_time,
+                    tenant=tenant, deadline=deadline,
+                )  # fmt: skip
             except BaseException as e:
                 if trace is not None:
                     trace[1](rid)

@@ -209,7 +209,11 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         """ModelInfer on an embedding model (kserve_embed.py)."""
         try:
             self._check_model(request.model_name, request.model_version)
-            return await kserve_embed.infer(self._engine, request, request.model_name)
+            caller = caller_of(
+                context.invocation_metadata(), self._tenancy,
+                _timeout_s(request, context.time_remaining()), time.monotonic(),
+            )  # fmt: skip
+            return await kserve_embed.infer(self._engine, request, request.model_name, caller)
         except RpcError as e:
             await errors.abort(context, e)
         except errors.ENGINE_ERRORS as e:
@@ -264,7 +268,10 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         try:
             lora = self._check_model(req.model_name, req.model_version)
             if embed:  # one response per request: the whole batch's embeddings
-                resp = await kserve_embed.infer(self._engine, req, req.model_name)
+                caller = caller_of(
+                    carrier, self._tenancy, _timeout_s(req, remaining), time.monotonic()
+                )
+                resp = await kserve_embed.infer(self._engine, req, req.model_name, caller)
                 emit(kpb.ModelStreamInferResponse(infer_response=resp))
                 return
             parsed = parse_request(req)

@@ -19,6 +19,7 @@ from appliance import embeddings
 from appliance.grpc.errors import invalid
 from appliance.grpc.kserve_tensors import decode_bytes
 from appliance.grpc.proto.inference import grpc_service_pb2 as kpb
+from appliance.tenancy import Caller
 from engine.pooling_params import PoolingParams
 
 TEXT_INPUT = "text_input"
@@ -79,13 +80,16 @@ def field_of(param: str | None) -> str:
     return TEXT_INPUT if param in (None, "prompt") else param
 
 
-async def infer(aeng: Any, req: kpb.ModelInferRequest, model: str) -> kpb.ModelInferResponse:
-    """One ModelInfer on an embedding model (raises RpcError or the engine's errors)."""
+async def infer(
+    aeng: Any, req: kpb.ModelInferRequest, model: str, caller: Caller | None = None
+) -> kpb.ModelInferResponse:
+    """One ModelInfer on an embedding model (raises RpcError or the engine's errors).
+    `caller`: the tenant and deadline its inputs run under."""
     texts = parse_texts(req)
     params = parse_params(req)
     embeddings.check_inputs(texts, aeng.config.scheduler.max_queue_len)
     rid = f"kserve-embd-{uuid.uuid4().hex}"
-    outs = await embeddings.embed_all(aeng, texts, params, rid)
+    outs = await embeddings.embed_all(aeng, texts, params, rid, caller=caller)
     width = len(outs[0].embedding)
     raw = b"".join(struct.pack(f"<{width}f", *o.embedding) for o in outs)
     counts = [len(o.prompt_token_ids) for o in outs]

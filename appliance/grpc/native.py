@@ -127,7 +127,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         self._responses = ResponsesRpcs(
             async_engine, model_name, responses_store or memory_store(),
             Parsers(self._parsers.tool_parser, self._parsers.reasoning_parser),
-            self._adapters, keyed, cache_salt_by_api_key,
+            self._adapters, keyed, cache_salt_by_api_key, self._tenancy,
         )  # fmt: skip
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -391,8 +391,11 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
     ) -> pb.EmbedResponse:
         """See native_embed.py."""
         try:
+            arrival = time.monotonic()
+            metadata = context.invocation_metadata()
+            caller = caller_of(metadata, self._tenancy, context.time_remaining(), arrival)
             return await native_embed.embed(
-                self._engine, self._model, request, context, self._tracing
+                self._engine, self._model, request, context, self._tracing, caller
             )
         except RpcError as e:
             await errors.abort(context, e)

@@ -18,6 +18,7 @@ from appliance.grpc import errors
 from appliance.grpc.errors import RpcError, invalid
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.telemetry import Tracing, record_request_span
+from appliance.tenancy import Caller
 from engine.errors import InvalidRequestError
 from engine.pooling_params import PoolingParams
 
@@ -60,6 +61,7 @@ async def embed(
     request: pb.EmbedRequest,
     context: grpc.aio.ServicerContext,
     tracing: Tracing | None,
+    caller: Caller | None = None,
 ) -> pb.EmbedResponse:
     if request.model not in ("", served):
         raise RpcError(
@@ -84,7 +86,9 @@ async def embed(
         )
         inputs = _inputs(request)
         embeddings.check_inputs(inputs, aeng.config.scheduler.max_queue_len, param="input")
-        outs = await embeddings.embed_all(aeng, inputs, params, rid, priority=request.priority)
+        outs = await embeddings.embed_all(
+            aeng, inputs, params, rid, priority=request.priority, caller=caller
+        )
     except errors.ENGINE_ERRORS as e:
         err = errors.from_engine_error(e, lambda p: _field(p, request))
         raise err from None

@@ -20,8 +20,9 @@ from typing import Any
 import grpc
 
 from appliance.adapters import AdapterRegistry
+from appliance.config.schema import ServerConfig
 from appliance.grpc import errors
-from appliance.grpc.auth import bearer_token, cache_salt_of
+from appliance.grpc.auth import bearer_token, cache_salt_of, caller_of
 from appliance.grpc.errors import RpcError
 from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.http.convert import chat_logprobs
@@ -32,7 +33,7 @@ from appliance.responses.protocol import OutputTextLogprob
 from appliance.responses.run import ResponseRun
 from appliance.responses.store import ResponseStore
 from appliance.responses.turn import Parsers, Turn
-from appliance.tenancy import response_owner
+from appliance.tenancy import Tenancy, response_owner
 
 
 def as_rpc_error(e: ResponsesError) -> RpcError:
@@ -54,6 +55,7 @@ class ResponsesRpcs:
         adapters: AdapterRegistry,
         keyed: bool,
         salt_by_key: bool,
+        tenancy: Tenancy | None = None,
     ):
         self._engine = engine
         self._model = model
@@ -62,6 +64,7 @@ class ResponsesRpcs:
         self._adapters = adapters
         self._keyed = keyed
         self._salt_by_key = salt_by_key
+        self._tenancy = tenancy or Tenancy(ServerConfig())
 
     def _owner(self, context: grpc.aio.ServicerContext) -> str:
         key = bearer_token(context.invocation_metadata()) if self._keyed else None
@@ -87,11 +90,14 @@ class ResponsesRpcs:
                 self._engine.offload_if_large,
             )  # fmt: skip
             rid = new_id("resp")
-            salt = cache_salt_of(context.invocation_metadata(), req.cache_salt, self._salt_by_key)
+            metadata = context.invocation_metadata()
+            caller = caller_of(metadata, self._tenancy, context.time_remaining(), arrival)
+            salt = caller.salt + cache_salt_of(metadata, req.cache_salt, self._salt_by_key)
             with self._adapters.admitting(lora) if lora else nullcontext():
                 stream = await self._engine.add_request(
                     ids, turn.params, rid, priority=req.priority, arrival_time=arrival,
-                    cache_salt=salt, lora_request=lora,
+                    cache_salt=salt, lora_request=lora, tenant=caller.tenant,
+                    deadline=caller.deadline,
                 )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)

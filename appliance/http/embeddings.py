@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from appliance import embeddings
 from appliance.http.body import read_json
+from appliance.http.caller import caller_of
 from appliance.http.embedding_models import EmbeddingRequest
 from appliance.http.errors import UNAVAILABLE, APIError, bad_request, from_engine_error
 from appliance.http.serving import ClientGone, state_of, until_disconnect
@@ -59,8 +60,9 @@ async def create_embedding(request: Request) -> Response:
         if tracer is not None:
             trace = (lambda r: tracer.register(r, headers, params, "embeddings"), tracer.forget)
         call = embeddings.embed_all(
-            aeng, inputs, params, rid, priority=req.priority, arrival_time=arrival, trace=trace
-        )
+            aeng, inputs, params, rid, priority=req.priority, arrival_time=arrival, trace=trace,
+            caller=caller_of(request, state, arrival),
+        )  # fmt: skip
         outs = await until_disconnect(request, call, [])
     except ClientGone:
         return Response(status_code=499)

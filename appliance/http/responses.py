@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from appliance.http import convert
 from appliance.http.body import read_json
+from appliance.http.caller import caller_of
 from appliance.http.errors import bad_request, from_engine_error
 from appliance.http.middleware import cache_salt_of, owner_of
 from appliance.http.protocol import ChatLogprobToken
@@ -107,7 +108,7 @@ async def create_response(request: Request) -> Response:
         state, [prompt_ids], turn.params, rid, priority=req.priority, arrival_time=arrival,
         map_param=turn.client_param, trace=(request, "chat"),
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
-        lora_request=lora,
+        lora_request=lora, caller=caller_of(request, state, arrival),
     )  # fmt: skip
     tok = state.aeng.tokenizer
     run = ResponseRun(

@@ -55,18 +55,26 @@ _SCALARS = st.one_of(
     st.builds(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 9}, st.integers(-5, 5)),
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
     st.builds(lambda rx: {"type": "string", "pattern": f"^{rx}$"}, REGEX),
-    st.lists(st.sampled_from(["red", "green", "blue", "x"]), min_size=1, max_size=3,
-             unique=True).map(lambda e: {"enum": e}),  # fmt: skip
+    st.lists(
+        st.sampled_from(["red", "green", "blue", "x"]), min_size=1, max_size=3, unique=True
+    ).map(lambda e: {"enum": e}),  # fmt: skip
 )
 SCHEMA = st.recursive(
     _SCALARS,
     lambda inner: st.one_of(
-        st.dictionaries(st.sampled_from(["reasoning", "answer", "a", "b"]), inner,
-                        min_size=1, max_size=3).map(
-            lambda props: {"type": "object", "properties": props, "required": list(props),
-                           "additionalProperties": False}),  # fmt: skip
-        st.builds(lambda it, n: {"type": "array", "items": it, "maxItems": n}, inner,
-                  st.integers(0, 3)),  # fmt: skip
+        st.dictionaries(
+            st.sampled_from(["reasoning", "answer", "a", "b"]), inner, min_size=1, max_size=3
+        ).map(
+            lambda props: {
+                "type": "object",
+                "properties": props,
+                "required": list(props),
+                "additionalProperties": False,
+            }
+        ),  # fmt: skip
+        st.builds(
+            lambda it, n: {"type": "array", "items": it, "maxItems": n}, inner, st.integers(0, 3)
+        ),  # fmt: skip
     ),
     max_leaves=5,
 )

@@ -18,9 +18,7 @@ from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.sampling_params import SamplingParamsError
 
 # `start: a60`, a60 -> a59 a59 -> ... -> "a": one sentence, 2**60 a's long.
-DOUBLING = (
-    "start: a60\n" + "".join(f"a{i + 1}: a{i} a{i}\n" for i in range(60)) + 'a0: "a"\n'
-)
+DOUBLING = "start: a60\n" + "".join(f"a{i + 1}: a{i} a{i}\n" for i in range(60)) + 'a0: "a"\n'
 HUGE_PATTERN = {
     "type": "object",
     "properties": {"x": {"type": "string", "pattern": "^a{400000}$"}},
@@ -48,7 +46,12 @@ def _greedy(spec: StructuredOutputsParams, **kw) -> SamplingParams:
         (StructuredOutputsParams(regex="a{400000}"), "regex"),
         (StructuredOutputsParams(json=HUGE_PATTERN), "json"),
         (StructuredOutputsParams(grammar=DOUBLING), "grammar"),
-        (StructuredOutputsParams(json={"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}), "json"),
+        (
+            StructuredOutputsParams(
+                json={"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+            ),
+            "json",
+        ),
         (StructuredOutputsParams(json={"$ref": "#"}), "json"),
         (StructuredOutputsParams(grammar='start: "a" start\n'), "grammar"),
     ],
@@ -122,6 +125,8 @@ def test_one_samples_grammar_error_leaves_its_siblings_to_finish(llm):
 
 def test_the_refusal_message_names_the_cause(llm):
     with pytest.raises(SamplingParamsError) as e:
-        llm.engine.prepare_request("bad", "Hello", _greedy(StructuredOutputsParams(json={"$ref": "#"})))
+        llm.engine.prepare_request(
+            "bad", "Hello", _greedy(StructuredOutputsParams(json={"$ref": "#"}))
+        )
     assert "no text" in str(e.value) or "cycle" in str(e.value), str(e.value)
     json.dumps(str(e.value))  # plain text, nothing binary

@@ -137,8 +137,9 @@ def test_qwen3_an_answer_without_think_is_constrained_from_its_first_token(qwen3
 def test_qwen3_choice_and_a_forced_call_hold_too(qwen3) -> None:
     c = _chat(qwen3, guided_choice=["yes", "no"])
     assert (c["finish_reason"], c["message"]["content"]) in {("stop", "yes"), ("stop", "no")}, c
-    c = _chat(qwen3, tools=[TOOL], tool_choice="required", parallel_tool_calls=False,
-              max_tokens=120)
+    c = _chat(
+        qwen3, tools=[TOOL], tool_choice="required", parallel_tool_calls=False, max_tokens=120
+    )
     assert c["finish_reason"] == "tool_calls", c
     (call,) = c["message"]["tool_calls"]
     assert json.loads(call["function"]["arguments"])["days"] in (1, 2, 3)

@@ -115,7 +115,9 @@ def test_a_stream_marks_the_failed_choice_and_goes_on(s, fail_sample_1) -> None:
     r = _post(s, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     events = _events(r)
-    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1] if "choices" not in e)
+    assert events[-1] == "[DONE]" and not any(
+        "error" in e for e in events[:-1] if "choices" not in e
+    )
     finishes = {c["index"]: c for e in events[:-1] for c in e["choices"] if c.get("finish_reason")}
     assert finishes[0]["finish_reason"] == "stop" and "error" not in finishes[0]
     assert finishes[1]["finish_reason"] == "error"
@@ -174,7 +176,10 @@ def test_kserve_one_sample_is_invalid_argument(s) -> None:
     sampling = {"temperature": 0, "max_tokens": 8, "logit_bias": {str(x): 100},
                 "guided_grammar": LATE_LIMIT}  # fmt: skip
     req = kpb.ModelInferRequest(model_name="tiny", id="1")
-    for name, value in (("text_input", b"Hello"), ("sampling_parameters", json.dumps(sampling).encode())):
+    for name, value in (
+        ("text_input", b"Hello"),
+        ("sampling_parameters", json.dumps(sampling).encode()),
+    ):
         req.inputs.add(name=name, datatype="BYTES", shape=[1])
         req.raw_input_contents.append(encode_bytes([value]))
 

@@ -39,7 +39,11 @@ def run_one(cache_mib: int, requests: int, repeat: int, model_dir: str) -> dict:
     """In this process: one engine, `requests` distinct grammars, RSS after each."""
     from engine import SamplingParams, StructuredOutputsParams
     from engine.config import (
-        CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, StructuredOutputsConfig,
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        RuntimeConfig,
+        StructuredOutputsConfig,
     )  # fmt: skip
     from engine.llm_engine import LLMEngine
 

@@ -198,7 +198,9 @@ def test_compiled_grammars_hold_at_most_the_cache_bytes(hf_tok):
         c.compile(StructuredOutputsParams(regex="warm-up")).new_matcher().compute_bitmask()
         before = _heap_in_use()
         for i in range(8):  # what a request with max_tokens=1 does with each
-            c.compile(StructuredOutputsParams(regex=f"a{{{30000 + i}}}")).new_matcher().compute_bitmask()
+            c.compile(
+                StructuredOutputsParams(regex=f"a{{{30000 + i}}}")
+            ).new_matcher().compute_bitmask()
         grown = _heap_in_use() - before
         assert grown <= 40 * MIB + 8 * MIB, f"{grown / MIB:.0f} MiB held by 8 grammars"
         assert 0 < c.cached_bytes() <= 40 * MIB
@@ -209,13 +211,19 @@ def test_compiled_grammars_hold_at_most_the_cache_bytes(hf_tok):
 def test_the_accounted_size_is_the_grammars_heap(hf_tok):
     c = GrammarCompiler(hf_tok, VOCAB, {hf_tok.eos_token_id})
     try:
-        small, large = StructuredOutputsParams(regex="[a-z]+"), StructuredOutputsParams(regex="a{30000}")
+        small, large = (
+            StructuredOutputsParams(regex="[a-z]+"),
+            StructuredOutputsParams(regex="a{30000}"),
+        )
         c.compile(small)
         before = _heap_in_use()
         c.compile(large).new_matcher().compute_bitmask()
         grown = _heap_in_use() - before
         assert c.cached_bytes(small) < 2 * MIB
-        assert 0.5 * grown <= c.cached_bytes(large) <= 2 * grown + MIB, (c.cached_bytes(large), grown)
+        assert 0.5 * grown <= c.cached_bytes(large) <= 2 * grown + MIB, (
+            c.cached_bytes(large),
+            grown,
+        )
     finally:
         c.close()
 

@@ -222,9 +222,7 @@ class GrammarCompiler:
                 f"structured_outputs.max_grammar_mib ({self.max_grammar_bytes / MIB:g} MiB)",
                 param,
             )
-        return CompiledGrammar(
-            kind, matcher, tokenizer, self.vocab_size, self.eos_token_id, nbytes
-        )
+        return CompiledGrammar(kind, matcher, tokenizer, self.vocab_size, self.eos_token_id, nbytes)
 
     def _finish(self, key: tuple[str, str], fut: Future[CompiledGrammar]) -> None:
         dropped = 0
@@ -300,8 +298,7 @@ def _regex_literal(text: str) -> str:
     """`text` as a regex matching exactly it: ASCII letters and digits and non-ASCII
     characters as they are, every other character as a `\\x{..}` escape."""
     return "".join(
-        c if (c.isascii() and c.isalnum()) or ord(c) > 127 else f"\\x{{{ord(c):x}}}"
-        for c in text
+        c if (c.isascii() and c.isalnum()) or ord(c) > 127 else f"\\x{{{ord(c):x}}}" for c in text
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from appliance import structured
-from appliance.adapters import AdapterRegistry
+from appliance.adapters import AdapterRegistry, shown_name
 from appliance.config.schema import LoRASection
 from appliance.grpc import errors
 from appliance.grpc.auth import cache_salt_of
@@ -116,7 +116,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         if lora is None and not (name == self._model and version in _VERSIONS):
             raise RpcError(
                 grpc.StatusCode.NOT_FOUND,
-                f"Request for unknown model: '{name}' version '{version}' is not found",
+                f"Request for unknown model: '{shown_name(name)}' version "
+                f"'{shown_name(version)}' is not found",
             )
         return lora
 

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from appliance import structured
-from appliance.adapters import AdapterRegistry
+from appliance.adapters import AdapterRegistry, shown_name
 from appliance.config.schema import LoRASection
 from appliance.dialect.chat_output import ChatDialect, DialectError, constrain, for_prompt
 from appliance.grpc import errors
@@ -124,11 +124,14 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         base model; NOT_FOUND for a name that is neither."""
         if adapter:
             if model not in ("", self._model, adapter):
-                raise invalid("adapter", f"{adapter!r} conflicts with model {model!r}")
+                raise invalid(
+                    "adapter", f"{shown_name(adapter)!r} conflicts with model {shown_name(model)!r}"
+                )
             lora = self._adapters.get(adapter)
             if lora is None:
                 raise RpcError(
-                    grpc.StatusCode.NOT_FOUND, f"adapter: no LoRA adapter {adapter!r} is loaded"
+                    grpc.StatusCode.NOT_FOUND,
+                    f"adapter: no LoRA adapter {shown_name(adapter)!r} is loaded",
                 )
             return lora
         if not model or model == self._model:
@@ -136,7 +139,8 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         lora = self._adapters.get(model)
         if lora is None:
             raise RpcError(
-                grpc.StatusCode.NOT_FOUND, f"model: {model!r} is not served here ({self._model!r})"
+                grpc.StatusCode.NOT_FOUND,
+                f"model: {shown_name(model)!r} is not served here ({self._model!r})",
             )
         return lora
 

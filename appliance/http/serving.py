@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from appliance.adapters import AdapterRegistry
+from appliance.adapters import AdapterRegistry, shown_name
 from appliance.config import ServerConfig
 from appliance.http import convert
 from appliance.http.body import read_json
@@ -80,7 +80,7 @@ class AppState:
                 served += " and the adapters GET /v1/models lists"
             raise APIError(
                 404,
-                f"The model `{name}` does not exist; this server serves {served}",
+                f"The model `{shown_name(name)}` does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )

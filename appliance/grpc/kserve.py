@@ -158,7 +158,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         parsed: LLMRequest | None = None
         try:
             lora = self._check_model(request.model_name, request.model_version)
-            parsed = parse_request(request)
+            parsed = await self._engine.offload_if_large(request.ByteSize(), parse_request, request)
             if parsed.stream:
                 raise errors.invalid("stream", "ModelInfer is unary; stream with ModelStreamInfer")
             async for resp in self._generate(request, parsed, context.invocation_metadata(), lora):
@@ -212,7 +212,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         parsed: LLMRequest | None = None
         try:
             lora = self._check_model(req.model_name, req.model_version)
-            parsed = parse_request(req)
+            parsed = await self._engine.offload_if_large(req.ByteSize(), parse_request, req)
             async for resp in self._generate(req, parsed, carrier, lora):
                 emit(kpb.ModelStreamInferResponse(infer_response=resp))
         except RpcError as e:
@@ -237,7 +237,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             with self._adapters.admitting(lora) if lora else nullcontext():
                 stream = await self._engine.add_request(
                     parsed.text, parsed.params, rid, cache_salt=salt,
-                    lora_request=lora,
+                    lora_request=lora, input_size=req.ByteSize(),
                 )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)

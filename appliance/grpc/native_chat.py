@@ -128,11 +128,6 @@ def template_call(chat: pb.Chat, dialect: ChatDialect, tokenizer: object) -> tup
     return messages, kw
 
 
-def chat_size(messages: list[dict]) -> int:
-    """What rendering costs, in characters (each message weighs at least one)."""
-    return sum(1 + len(json.dumps(m)) for m in messages)
-
-
 @dataclass
 class ChatReader:
     """Reads each sample's deltas through its own ChoiceStream and fills the response's

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -128,10 +129,13 @@ def check_unsupported(data: dict[str, Any]) -> None:
         del data[name]
 
 
-async def read_json(
-    request: Request, model: type[M], limit: int, timeout_s: float | None = None
-) -> M:
-    """Content type (415), size (413), time (408), JSON syntax (400), fields and types (400)."""
+# Runs `fn(*args)` inline or on a worker thread by the size of the input it works on
+# (`AsyncEngine.offload_if_large`).
+Offload = Callable[..., Awaitable[Any]]
+
+
+def check_content_type(request: Request) -> None:
+    """415 unless the body is JSON (a missing Content-Type is read as JSON)."""
     if not _content_type_ok(request.headers.get("content-type")):
         raise APIError(
             415,
@@ -139,7 +143,27 @@ async def read_json(
             param=None,
             code="unsupported_media_type",
         )
+
+
+async def read_json(
+    request: Request,
+    model: type[M],
+    limit: int,
+    timeout_s: float | None = None,
+    offload: Offload | None = None,
+) -> M:
+    """Content type (415), size (413), time (408), JSON syntax (400), fields and types (400).
+    With `offload`, parsing and validation run where it puts work of the body's size."""
+    check_content_type(request)
     raw = await read_body(request, limit, timeout_s)
+    if offload is not None:
+        return await offload(len(raw), parse_json, raw, model)
+    return parse_json(raw, model)
+
+
+def parse_json(raw: bytes, model: type[M]) -> M:
+    """The body as `model`: JSON syntax, unsupported fields, fields and types (400s). Takes
+    time in proportion to the body: callers run it off the event loop when it is large."""
     try:
         data = json.loads(raw)
     except RecursionError:  # `[[[[...`: the decoder's recursion limit, not a server fault

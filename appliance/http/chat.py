@@ -167,22 +167,18 @@ def dialect_of(state: AppState, req: ChatCompletionRequest) -> ChatDialect:
         raise bad_request(str(e), e.param) from None
 
 
-async def checked_prompt_ids(
+def checked_prompt_ids(
     state: AppState, req: ChatCompletionRequest, params: SamplingParams
 ) -> tuple[ChatDialect, list[int]]:
     """The request's dialect and its rendered prompt ids, after the dialect's checks (tools,
-    reasoning) constrained `params`: what generation and the render route both need."""
+    reasoning) constrained `params`: what generation and the render route both need. Work
+    in proportion to the request (its tools, messages, schemas): run it with
+    `Begun.offload`."""
     dialect = dialect_of(state, req)
-    prompt_ids = await state.aeng.offload_if_large(
-        chat_size(req.messages),
-        render_chat,
-        state,
-        req.messages,
-        req.add_generation_prompt,
-        req.continue_final_message,
-        req.chat_template_kwargs,
-        dialect.tools,
-    )
+    prompt_ids = render_chat(
+        state, req.messages, req.add_generation_prompt, req.continue_final_message,
+        req.chat_template_kwargs, dialect.tools,
+    )  # fmt: skip
     dialect = for_prompt(dialect, state.aeng.tokenizer, prompt_ids)
     try:
         constrain(params, dialect)
@@ -192,44 +188,23 @@ async def checked_prompt_ids(
 
 
 async def create_chat_completion(request: Request) -> Response:
-    arrival, state, req, params, lora = await begin(request, ChatCompletionRequest)
-    dialect, prompt_ids = await checked_prompt_ids(state, req, params)
+    begun = await begin(request, ChatCompletionRequest)
+    state, req, params = begun.state, begun.req, begun.params
+    dialect, prompt_ids = await begun.offload(checked_prompt_ids, state, req, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
 
     def map_param(p: str | None) -> str | None:
         return convert.engine_param(p, req)
 
     streams = await submit(
-        state,
-        [prompt_ids],
-        params,
-        rid,
-        priority=req.priority,
-        arrival_time=arrival,
-        map_param=map_param,
-        trace=(request, "chat"),
+        request, begun, [prompt_ids], rid, "chat", map_param=map_param,
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
-        lora_request=lora,
-    )
+    )  # fmt: skip
     events = _stream(state, req, dialect, rid, streams, map_param) if req.stream else None
     return await respond(
         request, rid, streams, events,
         lambda f: _response(state, req, dialect, rid, f[0], map_param), map_param,
     )  # fmt: skip
-
-
-def chat_size(messages: list[ChatMessage]) -> int:
-    """What rendering `messages` costs, in characters, to decide whether it goes off the
-    event loop (`AsyncEngine.offload_if_large`): every text part and name counts, and each
-    message and part at least one, so many empty ones weigh too."""
-    total = 0
-    for m in messages:
-        total += 1 + len(m.name or "") + len(m.tool_call_id or "")
-        if isinstance(m.content, str):
-            total += len(m.content)
-        elif m.content:
-            total += sum(1 + len(p.text or "") for p in m.content)
-    return total
 
 
 def _num_top(req: ChatCompletionRequest) -> int:

@@ -95,6 +95,14 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
                     )
                 texts.append(part.text)
             content = "\n".join(texts)
+        if m.role == "tool" and content is None:
+            # A tool's answer is its content (OpenAI requires it); checked here, where chat,
+            # its render route and /tokenize all read messages, so they answer alike.
+            raise bad_request(
+                "a tool message needs `content` (the tool's result)",
+                f"messages.{i}.content",
+                "missing_required_parameter",
+            )
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name

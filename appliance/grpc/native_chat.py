@@ -138,7 +138,7 @@ class ChatReader:
 
     def fill(self, resp: pb.GenerateResponse, text: str, reason: str | None) -> None:
         p = self.streams.setdefault(resp.index, ChoiceStream(self.dialect))
-        piece = p.step(text, reason is not None)
+        piece = p.step(text, reason is not None, reason == "length")
         if piece is not None:
             resp.content = piece.content
             resp.reasoning_content = piece.reasoning

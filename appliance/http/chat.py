@@ -12,6 +12,7 @@ and a `tool_choice` that forces a call becomes a grammar constraint on the engin
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -71,6 +72,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
         "add_generation_prompt", "continue_final_message", "conversation", "messages", "tools",
     }
 )  # fmt: skip
+
+logger = logging.getLogger(__name__)
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -238,7 +241,9 @@ def _response(
         lps = None
         if req.logprobs and c.logprobs is not None:
             lps = convert.chat_logprobs(c.logprobs, _num_top(req), state.token_str)
-        parsed = parse_choice(dialect, c.text)
+        parsed = parse_choice(dialect, c.text, cut=c.finish_reason == "length")
+        if parsed.dropped:
+            _log_cut_call(rid, c.index, parsed.dropped)
         calls = [
             ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
             for t in parsed.tool_calls
@@ -260,6 +265,15 @@ def _response(
     )
     _log_done(state, rid, req, out)
     return body
+
+
+def _log_cut_call(rid: str, index: int, dropped: int) -> None:
+    """A choice ended at max_tokens inside a tool call: its complete calls are answered as
+    tool_calls and the cut one is left out; said here so that it is not silent."""
+    logger.warning(
+        "tool call cut by the length limit was dropped",
+        extra={"fields": {"request_id": rid, "index": index, "dropped": dropped}},
+    )
 
 
 def _delta(d) -> ChoiceDelta:  # noqa: ANN001 - appliance.dialect.chat_output.ChoiceDelta
@@ -313,7 +327,10 @@ async def _stream(
                 if req.logprobs and c.logprobs:
                     lps = convert.chat_logprobs(c.logprobs, _num_top(req), state.token_str)
                 p = parsers[c.index]
-                piece = p.step(c.text, c.finish_reason is not None)
+                piece = p.step(c.text, c.finish_reason is not None, c.finish_reason == "length")
+                if p.dropped:
+                    _log_cut_call(rid, c.index, p.dropped)
+                    p.dropped = 0
                 delta = _delta(piece) if piece else ChoiceDelta()
                 reason = _finish_reason(c.finish_reason, p.called)
                 if delta.model_fields_set or reason or lps:

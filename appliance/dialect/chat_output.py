@@ -140,10 +140,18 @@ def chat_dialect(
 def constrain(params: SamplingParams, dialect: ChatDialect) -> None:
     """Puts the dialect's needs on the engine request: the grammar of a forced tool call,
     a constraint that starts after the reasoning section, special tokens kept where the
-    parser reads them (`[TOOL_CALLS]`, `<|python_tag|>`). DialectError (`tool_choice`) when
-    a forced call meets another output constraint."""
+    parser reads them (`[TOOL_CALLS]`, `<|python_tag|>`). DialectError when a forced call
+    meets another output constraint (`tool_choice`) or stop strings (`stop`)."""
     forced = dialect.constraint()
     if forced is not None:
+        if params.stop:
+            # A stop string can match inside the call (`"`, `{`) and end the choice with a
+            # cut call labelled "stop": refused rather than honored halfway (issue 28, E14).
+            raise DialectError(
+                "stop strings cannot be combined with a tool_choice that forces a call "
+                "(a stop string could cut the call)",
+                "stop",
+            )
         if params.structured_outputs is not None:
             raise DialectError(
                 "a tool_choice that forces a call cannot be combined with another output "

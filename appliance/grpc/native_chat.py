@@ -114,7 +114,8 @@ def dialect_of(chat: pb.Chat, parsers: ChatParsers, tokenizer: object) -> ChatDi
 
 
 def as_invalid(e: DialectError) -> Exception:
-    return invalid(f"chat.{e.param}", str(e))
+    # `stop` is a sampling field in the proto; the dialect's other fields live in `chat`.
+    return invalid("sampling.stop" if e.param == "stop" else f"chat.{e.param}", str(e))
 
 
 def template_call(chat: pb.Chat, dialect: ChatDialect, tokenizer: object) -> tuple[list, dict]:

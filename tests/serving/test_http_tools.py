@@ -276,3 +276,27 @@ def test_parallel_tool_calls_false_forces_exactly_one_call():
         assert grammar.startswith("start: call\n"), grammar
 
     run(fn, [CALL])
+
+
+def test_stop_strings_with_a_forced_call_are_a_400_naming_stop():
+    """Issue 28, E14: before, `stop: ['"', '{']` ended the forced call as content
+    `<tool_call>\\n` with finish "stop"; under `auto` stop strings still apply."""
+
+    async def fn(client, fake):
+        msgs = [{"role": "user", "content": "x"}]
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            try:
+                await client.chat.completions.create(
+                    model="fake-model", messages=msgs, tools=TOOLS, tool_choice=choice,
+                    stop=['"', "{"], max_tokens=200,
+                )  # fmt: skip
+                raise AssertionError("a 400 was expected")
+            except openai.BadRequestError as e:
+                assert e.body["param"] == "stop", e.body
+        assert not fake.requests
+        r = await client.chat.completions.create(
+            model="fake-model", messages=msgs, tools=TOOLS, stop=["Paris"], max_tokens=200
+        )
+        assert r.choices[0].finish_reason in ("stop", "tool_calls")
+
+    run(fn, ["plain answer"])

@@ -31,6 +31,7 @@ import asyncio
 import itertools
 import logging
 import os
+import re
 import threading
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
@@ -38,7 +39,7 @@ from typing import Protocol
 
 from appliance.config import ConfigError
 from appliance.config.schema import LoRASection
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, LoRANotFoundError, LoRAPathError
 from engine.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,18 @@ class AdapterError(Exception):
         self.code = code
         self.message = message
         self.param = param
+
+
+# Adapter names are identifiers (they reach URLs, logs, /v1/models and metric labels):
+# at most this many characters, each a letter, digit or one of `._:/-`.
+MAX_NAME_CHARS = 128
+_NAME = re.compile(rf"[A-Za-z0-9._:/-]{{1,{MAX_NAME_CHARS}}}")
+_NAME_RULE = f"1 to {MAX_NAME_CHARS} characters, each a letter, a digit or one of . _ : / -"
+
+
+def shown_name(name: str) -> str:
+    """A name as error messages echo it: cut short, so a huge one is not sent back whole."""
+    return name if len(name) <= 64 else name[:61] + "..."
 
 
 def _under(path: str, root: str) -> bool:
@@ -186,9 +199,11 @@ class AdapterRegistry:
         try:
             real = await asyncio.to_thread(self._allowed_path, path)
             with self._lock:
-                lora = LoRARequest(name, next(self._ids), real)
+                lora = LoRARequest(name, next(self._ids), real, allowed_dirs=self._allowed)
             try:
                 await self._engine.add_lora(lora)
+            except LoRAPathError as e:
+                raise AdapterError(403, "path_not_allowed", str(e), "lora_path") from None
             except InvalidRequestError as e:
                 raise AdapterError(400, "invalid_value", str(e), "lora_path") from None
             with self._lock:
@@ -203,6 +218,8 @@ class AdapterRegistry:
         """Unloads `name`: no new request may use it from now on; returns once the requests
         running with it have finished. 404 when no adapter of that name is loaded."""
         self.require_runtime_updates()
+        if _NAME.fullmatch(name) is None:
+            raise AdapterError(400, "invalid_value", f"lora_name must be {_NAME_RULE}", "lora_name")
         with self._lock:
             lora = self._loaded.pop(name, None)
             if lora is None:
@@ -216,7 +233,12 @@ class AdapterRegistry:
     async def _unload_reserved(self, lora: LoRARequest) -> None:
         try:
             await asyncio.to_thread(self._wait_admissions, lora.lora_name)
-            await self._engine.remove_lora(lora.lora_name)
+            try:
+                await self._engine.remove_lora(lora.lora_name)
+            except LoRANotFoundError:  # the engine never held it: it is gone either way
+                logger.warning(
+                    "adapter unknown to the engine", extra={"fields": {"name": lora.lora_name}}
+                )
             logger.info("adapter unloaded", extra={"fields": {"name": lora.lora_name}})
         finally:
             with self._lock:
@@ -226,15 +248,19 @@ class AdapterRegistry:
     def _check_name(self, name: str) -> None:
         if not name:
             raise AdapterError(400, "invalid_value", "lora_name must not be empty", "lora_name")
+        if _NAME.fullmatch(name) is None:  # (no ',': the lora_requests_info gauge's separator)
+            raise AdapterError(400, "invalid_value", f"lora_name must be {_NAME_RULE}", "lora_name")
         if name == self.base_name:
             raise AdapterError(
                 400, "invalid_value", f"'{name}' is the base model's name", "lora_name"
             )
-        if "," in name:  # the lora_requests_info gauge lists names comma-separated
-            raise AdapterError(400, "invalid_value", "lora_name must not contain ','", "lora_name")
 
     def _allowed_path(self, path: str) -> str:
-        """The real path of `path` if it is allowed and a directory (runs off the loop)."""
+        """The real path of `path` if it is allowed and a directory (runs off the loop).
+        The engine then reads each file of it confined to the same directories
+        (`LoRARequest.allowed_dirs`: the file's own real path is checked, symlinks and all)."""
+        if "\0" in path:
+            raise AdapterError(400, "invalid_value", "lora_path must not contain NUL", "lora_path")
         if not os.path.isabs(path):
             raise AdapterError(400, "invalid_value", "lora_path must be absolute", "lora_path")
         real = os.path.realpath(path)

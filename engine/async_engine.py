@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.core.policy.tenant import Tenant
@@ -77,7 +77,7 @@ from engine.request_stream import (  # FinishedRequest and RequestStream are re-
     RequestStream,
 )
 from engine.sampling_params import SamplingParams
-from engine.stepped_engine import SteppedEngine
+from engine.stepped_engine import PreparedLike, SteppedEngine
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -227,6 +227,7 @@ class AsyncEngine:
         lora_request: LoRARequest | None = None,
         tenant: Tenant | None = None,
         deadline: float | None = None,
+        input_size: int | None = None,
     ) -> RequestStream:
         """Validates, queues and returns the request's stream once the engine holds it.
         Only requests with equal `cache_salt`s (and the same adapter) share cached prompt
@@ -234,39 +235,108 @@ class AsyncEngine:
         when not loaded yet). `tenant`: whose share it runs on (the frontends map API keys
         to tenants); `deadline`: the time.monotonic() by which it must finish, after which
         the engine drops it (waiting) or stops it (running) and the stream raises
-        `DeadlineExceededError`.
+        `DeadlineExceededError`. `input_size`: see `prepare_requests`.
 
         Raises InvalidRequestError (never servable; LoRAError for the adapter),
         QueueFullError (try later) or EngineDeadError before anything is streamed, so a
         frontend can still pick a status.
         """
-        self._check_accepting()
-        request_id = request_id or uuid.uuid4().hex
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        prepare = functools.partial(
-            self.engine.prepare_request, request_id, prompt, params, priority=priority,
-            arrival_time=arrival, cache_salt=cache_salt, lora_request=lora_request,
-            tenant=tenant, deadline=deadline,
+        (stream,) = await self.add_requests(
+            [prompt], params, [request_id or uuid.uuid4().hex], priority=priority,
+            arrival_time=arrival_time, cache_salt=cache_salt, lora_request=lora_request,
+            input_size=input_size, tenant=tenant, deadline=deadline,
         )  # fmt: skip
-        if lora_request is not None and not self.engine.is_lora_loaded(lora_request):
-            prepared = await asyncio.to_thread(prepare)  # reads the adapter's files
-        else:
-            prepared = await self.offload_if_large(len(prompt), prepare)
+        return stream
+
+    async def prepare_requests(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams | PoolingParams,
+        request_ids: Sequence[str],
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | tuple[str, ...] | None = None,
+        lora_request: LoRARequest | None = None,
+        input_size: int | None = None,
+        tenant: Tenant | None = None,
+        deadline: float | None = None,
+    ) -> list[PreparedLike]:
+        """Validates and tokenizes every prompt (`LLMEngine.prepare_request`: lengths, token
+        ids, adapter, grammar) and queues nothing: the one validation of the generation and
+        the render routes. Raises the first prompt's InvalidRequestError.
+
+        Off the event loop, on one worker thread for all prompts, when the work may block or
+        grows with the input: a constraint to compile (it may wait for seconds), an adapter
+        to read from disk, or an input over `offload_prompt_chars`. `input_size` is the
+        request's whole input as the frontend received it (body bytes: every prompt, tool,
+        schema and message), else the prompts' total length."""
+        self._check_accepting()
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+
+        def prepare_all() -> list[PreparedLike]:
+            return [
+                self.engine.prepare_request(
+                    rid,
+                    prompt,
+                    params,
+                    priority=priority,
+                    arrival_time=arrival,
+                    cache_salt=cache_salt,
+                    lora_request=lora_request,
+                    tenant=tenant,
+                    deadline=deadline,
+                )  # fmt: skip
+                for rid, prompt in zip(request_ids, prompts, strict=True)
+            ]
+
+        size = input_size if input_size is not None else sum(len(p) for p in prompts)
+        blocking = getattr(params, "structured_outputs", None) is not None or (
+            lora_request is not None and not self.engine.is_lora_loaded(lora_request)
+        )
+        if blocking:
+            return await asyncio.to_thread(prepare_all)
+        return await self.offload_if_large(size, prepare_all)
+
+    async def add_requests(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams | PoolingParams,
+        request_ids: Sequence[str],
+        **kw: Any,
+    ) -> list[RequestStream]:
+        """Several prompts of one request (`prepare_requests` takes the same keywords): every
+        prompt is validated before any is queued, then all are handed to the engine at once
+        (one inbox handoff, acknowledged together), so a request with many prompts is
+        queued in one engine-loop iteration, not one per prompt. On any refusal, or if the
+        caller is cancelled, the prompts already queued are aborted; raises as
+        `add_request` does."""
+        prepared = await self.prepare_requests(prompts, params, request_ids, **kw)
         loop = asyncio.get_running_loop()
         n = params.n if isinstance(params, SamplingParams) else 1
-        stream = RequestStream(request_id, n, len(prepared.prompt_token_ids), loop, self.abort)
-        ack = loop.create_future()
+        tenant = kw.get("tenant")
+        items = [
+            Add(p, RequestStream(p.request_id, n, len(p.prompt_token_ids), loop, self.abort),
+                loop.create_future(), tenant.name if tenant is not None else None)
+            for p in prepared
+        ]  # fmt: skip
         with self._cond:
             self._check_accepting()
-            self._pending += 1
-            self._inbox.append(Add(prepared, stream, ack, tenant.name if tenant else None))
+            self._pending += len(items)
+            self._inbox.extend(items)
             self._cond.notify()
         try:
-            await ack
+            acks = await asyncio.gather(*(it.ack for it in items), return_exceptions=True)
         except asyncio.CancelledError:
-            stream.abort()
+            for it in items:
+                it.stream.abort()
             raise
-        return stream
+        failed = next((a for a in acks if isinstance(a, BaseException)), None)
+        if failed is not None:
+            for it in items:
+                it.stream.abort()
+            raise failed
+        return [it.stream for it in items]
 
     async def generate(
         self,

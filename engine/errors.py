@@ -44,6 +44,12 @@ class LoRANotFoundError(LoRAError):
     """No adapter of that name is loaded (`remove_lora` of an unknown name): HTTP 404."""
 
 
+class LoRAPathError(LoRAError):
+    """An adapter file whose real path lies outside the directories the adapter may be read
+    from (`LoRARequest.allowed_dirs`, the appliance's `lora.allowed_dirs`): HTTP 403. The
+    message never says where the file points or whether its target exists."""
+
+
 class QueueFullError(EngineError):
     """The waiting queue is at `scheduler.max_queue_len` (HTTP 429 / RESOURCE_EXHAUSTED).
 

@@ -142,10 +142,18 @@ def chat_dialect(
 def constrain(params: SamplingParams, dialect: ChatDialect) -> None:
     """Puts the dialect's needs on the engine request: the grammar of a forced tool call,
     a constraint that starts after the reasoning section, special tokens kept where the
-    parser reads them (`[TOOL_CALLS]`, `<|python_tag|>`). DialectError (`tool_choice`) when
-    a forced call meets another output constraint."""
+    parser reads them (`[TOOL_CALLS]`, `<|python_tag|>`). DialectError when a forced call
+    meets another output constraint (`tool_choice`) or stop strings (`stop`)."""
     forced = dialect.constraint()
     if forced is not None:
+        if params.stop:
+            # A stop string can match inside the call (`"`, `{`) and end the choice with a
+            # cut call labelled "stop": refused rather than honored halfway (issue 28, E14).
+            raise DialectError(
+                "stop strings cannot be combined with a tool_choice that forces a call "
+                "(a stop string could cut the call)",
+                "stop",
+            )
         if params.structured_outputs is not None:
             raise DialectError(
                 "a tool_choice that forces a call cannot be combined with another output "
@@ -179,6 +187,7 @@ class ChoiceResult:
     reasoning: str | None
     content: str | None
     tool_calls: list[ToolCall]
+    dropped: int = 0  # tool calls cut short by the length limit and left out
 
 
 class ChoiceStream:
@@ -199,6 +208,7 @@ class ChoiceStream:
         self._sent_content = ""
         self._holding = False
         self._held_calls: list[ToolCall] = []
+        self.dropped = 0  # held calls cut short by the length limit and left out
 
     @property
     def called(self) -> bool:
@@ -206,7 +216,7 @@ class ChoiceStream:
             return bool(self.tools and self.tools.calls)
         return bool(self._held_calls)
 
-    def _answer(self, out: ChoiceDelta, text: str, end: bool) -> ChoiceDelta:
+    def _answer(self, out: ChoiceDelta, text: str, end: bool, cut: bool = False) -> ChoiceDelta:
         if self.tools is None:
             out.content += text
             return out
@@ -215,7 +225,7 @@ class ChoiceStream:
             d = self.tools.feed(text)
             out.content += d.content
             out.tool_calls += d.tool_calls
-            if end:
+            if end:  # a forced call's pieces were sent as they came: a cut one stays cut
                 f = self.tools.finish()
                 out.content += f.content
                 out.tool_calls += f.tool_calls
@@ -227,20 +237,23 @@ class ChoiceStream:
             out.content += d.content
             self._sent_content += d.content
         if end:
-            self._release(out)
+            self._release(out, cut)
         return out
 
-    def _release(self, out: ChoiceDelta) -> None:
-        """The choice ended: send what was held, as calls if they all parse, else as text."""
+    def _release(self, out: ChoiceDelta, cut: bool) -> None:
+        """The choice ended: send what was held, as calls if they all parse, else as text;
+        `cut` (finish "length"): a call cut short is dropped, the complete ones sent."""
         if not self._holding:
             f = self.tools.finish()  # type: ignore[union-attr]
             out.content += f.content
             return
         parsed = parse_tool_calls(
             self._answer_text,
-            self.dialect.tool_parser,
-            self.dialect.tool_names,  # type: ignore[arg-type]
+            self.dialect.tool_parser,  # type: ignore[arg-type]
+            self.dialect.tool_names,
+            cut,
         )
+        self.dropped = parsed.dropped
         content = parsed.content or ""
         if content.startswith(self._sent_content):
             out.content += content[len(self._sent_content) :]
@@ -256,20 +269,21 @@ class ChoiceStream:
             out.reasoning, text = s.reasoning, s.content
         return self._answer(out, text, end=False)
 
-    def finish(self) -> ChoiceDelta:
+    def finish(self, cut: bool = False) -> ChoiceDelta:
+        """The choice's end; `cut`: it ended at its length limit (finish "length")."""
         out = ChoiceDelta()
         text = ""
         if self.reasoning is not None:
             s = self.reasoning.finish()
             out.reasoning, text = s.reasoning, s.content
-        return self._answer(out, text, end=True)
+        return self._answer(out, text, end=True, cut=cut)
 
-    def step(self, text: str, finished: bool) -> ChoiceDelta | None:
-        """One engine delta: `feed` its text, and `finish` when it is the choice's last;
-        None when neither applies."""
+    def step(self, text: str, finished: bool, cut: bool = False) -> ChoiceDelta | None:
+        """One engine delta: `feed` its text, and `finish` when it is the choice's last
+        (`cut`: at its length limit); None when neither applies."""
         piece = self.feed(text) if text else None
         if finished:
-            end = self.finish()
+            end = self.finish(cut)
             if piece is None:
                 return end
             piece.reasoning += end.reasoning
@@ -278,8 +292,10 @@ class ChoiceStream:
         return piece
 
 
-def parse_choice(dialect: ChatDialect, text: str) -> ChoiceResult:
-    """A whole choice: reasoning split off, then the calls (a malformed one: all content)."""
+def parse_choice(dialect: ChatDialect, text: str, cut: bool = False) -> ChoiceResult:
+    """A whole choice: reasoning split off, then the calls (a malformed one: all content).
+    `cut`: the choice ended at its length limit; a call it cut short is dropped and the
+    complete ones are still calls (`parse_tool_calls`)."""
     reasoning = None
     s = dialect.reasoning_stream()
     if s is not None:
@@ -288,5 +304,5 @@ def parse_choice(dialect: ChatDialect, text: str) -> ChoiceResult:
         text = a.content + b.content
     if dialect.tool_parser is None:
         return ChoiceResult(reasoning, text, [])
-    parsed = parse_tool_calls(text, dialect.tool_parser, dialect.tool_names)
-    return ChoiceResult(reasoning, parsed.content, parsed.tool_calls)
+    parsed = parse_tool_calls(text, dialect.tool_parser, dialect.tool_names, cut)
+    return ChoiceResult(reasoning, parsed.content, parsed.tool_calls, parsed.dropped)

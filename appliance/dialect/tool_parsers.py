@@ -133,6 +133,7 @@ class ToolCallStream:
         self.args_start: int | None = None  # inside a call's arguments, sent up to self.pos
         self.calls: list[ToolCall] = []
         self.content = ""
+        self.dropped = 0  # calls cut short by the length limit (`finish(cut=True)`)
 
     def feed(self, piece: str) -> ParsedDelta:
         self.text += piece
@@ -141,11 +142,22 @@ class ToolCallStream:
             pass
         return out
 
-    def finish(self) -> ParsedDelta:
-        """The end of the text: what is left unsent is content (a malformed call included)."""
+    def finish(self, cut: bool = False) -> ParsedDelta:
+        """The end of the text: what is left unsent is content (a malformed call included).
+
+        `cut`: the text ended at its length limit (finish "length"), so a call still open
+        was cut short, not malformed: it is dropped (`dropped`), and what was left of it
+        is neither arguments nor content; the complete calls before it stand."""
         out = ParsedDelta()
         rest = self.text[self.pos :]
-        if self.args_start is not None:  # cut mid-arguments (max_tokens): send what came
+        if cut and self.in_calls:
+            if self.args_start is not None:
+                self.calls.pop()
+                self.dropped += 1
+                self.args_start = None
+            elif "{" in rest:
+                self.dropped += 1  # a call cut before its arguments began (else a separator)
+        elif self.args_start is not None:  # cut mid-arguments (max_tokens): send what came
             if rest:
                 self._args(out, rest)
         elif not self.in_calls or self.fmt.between.fullmatch(rest) is None:
@@ -265,14 +277,23 @@ class ToolCallStream:
 class ParsedOutput:
     content: str | None
     tool_calls: list[ToolCall]
+    dropped: int = 0  # calls cut short by the length limit and left out
 
 
-def parse_tool_calls(text: str, parser: str, tool_names: set[str] | None = None) -> ParsedOutput:
-    """A whole answer's content and tool calls; a malformed call leaves it all as content."""
+def parse_tool_calls(
+    text: str, parser: str, tool_names: set[str] | None = None, cut: bool = False
+) -> ParsedOutput:
+    """A whole answer's content and tool calls; a malformed call leaves it all as content.
+
+    `cut`: the answer ended at its length limit; the call it cut short is dropped
+    (`ParsedOutput.dropped`) and the complete ones before it are returned as calls, not
+    as the raw markup in content (issue 28, E15)."""
     s = ToolCallStream(parser)
     s.feed(text)
-    s.finish()
+    s.finish(cut)
     if not s.calls:
+        if s.dropped:  # only a cut call: what came before it, never the call's markup
+            return ParsedOutput(s.content or None, [], s.dropped)
         return ParsedOutput(text, [])
     for c in s.calls:
         try:
@@ -282,4 +303,4 @@ def parse_tool_calls(text: str, parser: str, tool_names: set[str] | None = None)
         if not isinstance(args, dict) or (tool_names is not None and c.name not in tool_names):
             return ParsedOutput(text, [])
     content = s.content if s.content.strip() or not s.calls else None
-    return ParsedOutput(content, s.calls)
+    return ParsedOutput(content, s.calls, s.dropped)

@@ -19,6 +19,8 @@ from engine.errors import (
     DeadlineExceededError,
     EngineDeadError,
     InvalidRequestError,
+    LoRANotFoundError,
+    LoRAPathError,
     QueueFullError,
     RequestFailedError,
     UnsatisfiableRequestError,
@@ -65,6 +67,10 @@ def from_engine_error(exc: BaseException, field_of: Callable[[str | None], str])
         code = _ADAPTER_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT)
         keep = field if code is grpc.StatusCode.INVALID_ARGUMENT else None
         return RpcError(code, f"{field}: {exc.message}", keep)
+    if isinstance(exc, LoRAPathError):
+        return RpcError(grpc.StatusCode.PERMISSION_DENIED, f"{field_of(exc.param)}: {exc}")
+    if isinstance(exc, LoRANotFoundError):
+        return RpcError(grpc.StatusCode.NOT_FOUND, f"{field_of(exc.param)}: {exc}")
     if isinstance(exc, SamplingParamsError):
         return invalid(field_of(exc.param), exc.reason)
     if isinstance(exc, InvalidRequestError):

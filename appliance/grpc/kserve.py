@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 
 from appliance import structured
-from appliance.adapters import AdapterRegistry
+from appliance.adapters import AdapterRegistry, shown_name
 from appliance.config.schema import LoRASection, ServerConfig
 from appliance.grpc import errors, kserve_embed
 from appliance.grpc.auth import cache_salt_of, caller_of
@@ -143,7 +143,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         if lora is None and not (name == self._model and version in _VERSIONS):
             raise RpcError(
                 grpc.StatusCode.NOT_FOUND,
-                f"Request for unknown model: '{name}' version '{version}' is not found",
+                f"Request for unknown model: '{shown_name(name)}' version "
+                f"'{shown_name(version)}' is not found",
             )
         return lora
 
@@ -189,7 +190,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             return await self._embed(request, context)
         try:
             lora = self._check_model(request.model_name, request.model_version)
-            parsed = parse_request(request)
+            parsed = await self._engine.offload_if_large(request.ByteSize(), parse_request, request)
             if parsed.stream:
                 raise errors.invalid("stream", "ModelInfer is unary; stream with ModelStreamInfer")
             remaining = context.time_remaining()
@@ -274,7 +275,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                 resp = await kserve_embed.infer(self._engine, req, req.model_name, caller)
                 emit(kpb.ModelStreamInferResponse(infer_response=resp))
                 return
-            parsed = parse_request(req)
+            parsed = await self._engine.offload_if_large(req.ByteSize(), parse_request, req)
             async for resp in self._generate(req, parsed, carrier, lora, remaining):
                 emit(kpb.ModelStreamInferResponse(infer_response=resp))
         except RpcError as e:
@@ -309,6 +310,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                 stream = await self._engine.add_request(
                     parsed.text, parsed.params, rid, cache_salt=salt,
                     lora_request=lora, tenant=caller.tenant, deadline=caller.deadline,
+                    input_size=req.ByteSize(),
                 )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from appliance import structured
-from appliance.adapters import AdapterRegistry
+from appliance.adapters import AdapterRegistry, shown_name
 from appliance.config.schema import LoRASection, ServerConfig
 from appliance.dialect.chat_output import ChatDialect, DialectError, constrain, for_prompt
 from appliance.grpc import errors, native_embed
@@ -28,7 +28,6 @@ from appliance.grpc.native_chat import (
     ChatParsers,
     ChatReader,
     as_invalid,
-    chat_size,
     dialect_of,
     template_call,
 )
@@ -82,6 +81,17 @@ def constraint(sp: pb.SamplingParams) -> structured.Constraint | None:
     value = list(sp.choice.choices) if kind == "choice" else getattr(sp, kind)
     engine_kind = "json" if kind == "json_schema" else kind
     return structured.build([structured.Given(f"sampling.{kind}", engine_kind, value)])
+
+
+@dataclass
+class _Prepared:
+    """A Generate call read: its prompt, where it came from, its parameters and dialect."""
+
+    prompt: str | list[int]
+    operation: str  # GenAI operation name: text_completion | chat
+    prompt_field: str  # the request field that held the prompt
+    params: SamplingParams
+    dialect: ChatDialect | None
 
 
 @dataclass
@@ -140,11 +150,14 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         base model; NOT_FOUND for a name that is neither."""
         if adapter:
             if model not in ("", self._model, adapter):
-                raise invalid("adapter", f"{adapter!r} conflicts with model {model!r}")
+                raise invalid(
+                    "adapter", f"{shown_name(adapter)!r} conflicts with model {shown_name(model)!r}"
+                )
             lora = self._adapters.get(adapter)
             if lora is None:
                 raise RpcError(
-                    grpc.StatusCode.NOT_FOUND, f"adapter: no LoRA adapter {adapter!r} is loaded"
+                    grpc.StatusCode.NOT_FOUND,
+                    f"adapter: no LoRA adapter {shown_name(adapter)!r} is loaded",
                 )
             return lora
         if not model or model == self._model:
@@ -152,33 +165,57 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         lora = self._adapters.get(model)
         if lora is None:
             raise RpcError(
-                grpc.StatusCode.NOT_FOUND, f"model: {model!r} is not served here ({self._model!r})"
+                grpc.StatusCode.NOT_FOUND,
+                f"model: {shown_name(model)!r} is not served here ({self._model!r})",
             )
         return lora
 
-    async def _render_chat(self, chat: pb.Chat, dialect: ChatDialect | None = None) -> list[int]:
-        """The template's token ids; `dialect` (its tools) read from `chat` when not given."""
+    def _render_chat(self, chat: pb.Chat, dialect: ChatDialect | None = None) -> list[int]:
+        """The template's token ids; `dialect` (its tools) read from `chat` when not given.
+        Work in proportion to the chat: callers run it with `_offload`."""
         dialect = dialect or dialect_of(chat, self._parsers, self._tokenizer)
         messages, kw = template_call(chat, dialect, self._tokenizer)
         try:
-            return await self._engine.offload_if_large(
-                chat_size(messages), self._tokenizer.apply_chat_template, messages, **kw
-            )
+            return self._tokenizer.apply_chat_template(messages, **kw)
         except ValueError as e:
             raise invalid("chat.messages", str(e).removeprefix("messages: ")) from e
 
-    async def _prompt(
-        self, request: pb.GenerateRequest, dialect: ChatDialect | None
-    ) -> tuple[str | list[int], str, str]:
-        """(prompt, GenAI operation name, the request field that held the prompt)."""
+    async def _offload(self, request: Any, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` where work of `request`'s size belongs: on a worker thread when the
+        message is large (its serialized bytes are the call's whole input)."""
+        return await self._engine.offload_if_large(request.ByteSize(), fn, *args)
+
+    def _prepare(self, request: pb.GenerateRequest) -> _Prepared:
+        """The call's prompt (a chat rendered through its dialect) and sampling parameters,
+        the dialect's constraint on them: everything that grows with the request."""
+        dialect = None
+        if request.WhichOneof("prompt") == "chat":
+            dialect = dialect_of(request.chat, self._parsers, self._tokenizer)
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            return request.text, "text_completion", "text"
-        if kind == "token_ids":
-            return list(request.token_ids.ids), "text_completion", "token_ids.ids"
-        if kind == "chat":
-            return await self._render_chat(request.chat, dialect), "chat", "chat.messages"
-        raise invalid("prompt", "one of text, token_ids or chat is required")
+            prompt, operation, field = request.text, "text_completion", "text"
+        elif kind == "token_ids":
+            prompt, operation, field = (
+                list(request.token_ids.ids),
+                "text_completion",
+                "token_ids.ids",
+            )
+        elif kind == "chat":
+            prompt, operation, field = (
+                self._render_chat(request.chat, dialect),
+                "chat",
+                "chat.messages",
+            )
+        else:
+            raise invalid("prompt", "one of text, token_ids or chat is required")
+        params = sampling_from_proto(request.sampling)
+        if dialect is not None:
+            dialect = for_prompt(dialect, self._tokenizer, prompt)  # type: ignore[arg-type]
+            try:
+                constrain(params, dialect)
+            except DialectError as e:
+                raise as_invalid(e) from None
+        return _Prepared(prompt, operation, field, params, dialect)
 
     def _cache_salt(self, request: pb.GenerateRequest, context: Any) -> tuple[str, ...]:
         user = request.cache_salt if request.HasField("cache_salt") else None
@@ -217,15 +254,15 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
         try:
             lora = self._resolve(request.model, request.adapter)
             if request.WhichOneof("prompt") == "chat":
-                dialect = dialect_of(request.chat, self._parsers, self._tokenizer)
-            prompt, operation, prompt_field = await self._prompt(request, dialect)
-            params = sampling_from_proto(request.sampling)
-            if dialect is not None:
-                dialect = for_prompt(dialect, self._tokenizer, prompt)  # type: ignore[arg-type]
-                try:
-                    constrain(params, dialect)
-                except DialectError as e:
-                    raise as_invalid(e) from None
+                prompt_field = "chat.messages"
+            prep = await self._offload(request, self._prepare, request)
+            prompt, operation, params, dialect = (
+                prep.prompt,
+                prep.operation,
+                prep.params,
+                prep.dialect,
+            )
+            prompt_field = prep.prompt_field
             reader = ChatReader(dialect) if dialect is not None else None
             metadata = context.invocation_metadata()
             caller = caller_of(metadata, self._tenancy, context.time_remaining(), arrival)
@@ -239,6 +276,7 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
                 stream = await self._engine.add_request(
                     prompt, params, rid, priority=request.priority, cache_salt=salt,
                     lora_request=lora, tenant=caller.tenant, deadline=caller.deadline,
+                    input_size=request.ByteSize(),
                 )  # fmt: skip
             if lora is not None:
                 self._adapters.count_request(lora)
@@ -312,34 +350,30 @@ class ApplianceServicer(pb_grpc.ApplianceServicer):
     ) -> pb.TokenizeResponse:
         try:
             self._resolve(request.model)  # any served name; one tokenizer
-            kind = request.WhichOneof("input")
-            if kind == "chat":
-                ids = await self._render_chat(request.chat)
-            elif kind == "text":
-                add_special = (
-                    request.add_special_tokens if request.HasField("add_special_tokens") else True
-                )
-                ids = await self._engine.offload_if_large(
-                    len(request.text),
-                    self._tokenizer.encode,
-                    request.text,
-                    add_special_tokens=add_special,
-                )
-            else:
-                raise invalid("input", "one of text or chat is required")
+            ids = await self._offload(request, self._tokenize, request)
         except RpcError as e:
             await errors.abort(context, e)
         return pb.TokenizeResponse(
             token_ids=ids, count=len(ids), max_model_len=self._engine.max_model_len
         )
 
+    def _tokenize(self, request: pb.TokenizeRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            return self._render_chat(request.chat)
+        if kind == "text":
+            add_special = (
+                request.add_special_tokens if request.HasField("add_special_tokens") else True
+            )
+            return self._tokenizer.encode(request.text, add_special_tokens=add_special)
+        raise invalid("input", "one of text or chat is required")
+
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
         try:
             self._resolve(request.model)  # any served name; one tokenizer
-            ids = list(request.token_ids)
-            text = await self._engine.offload_if_large(len(ids), self._detokenize, ids)
+            text = await self._offload(request, self._detokenize, list(request.token_ids))
         except RpcError as e:
             await errors.abort(context, e)
         return pb.DetokenizeResponse(text=text)

@@ -114,7 +114,8 @@ def dialect_of(chat: pb.Chat, parsers: ChatParsers, tokenizer: object) -> ChatDi
 
 
 def as_invalid(e: DialectError) -> Exception:
-    return invalid(f"chat.{e.param}", str(e))
+    # `stop` is a sampling field in the proto; the dialect's other fields live in `chat`.
+    return invalid("sampling.stop" if e.param == "stop" else f"chat.{e.param}", str(e))
 
 
 def template_call(chat: pb.Chat, dialect: ChatDialect, tokenizer: object) -> tuple[list, dict]:
@@ -128,11 +129,6 @@ def template_call(chat: pb.Chat, dialect: ChatDialect, tokenizer: object) -> tup
     return messages, kw
 
 
-def chat_size(messages: list[dict]) -> int:
-    """What rendering costs, in characters (each message weighs at least one)."""
-    return sum(1 + len(json.dumps(m)) for m in messages)
-
-
 @dataclass
 class ChatReader:
     """Reads each sample's deltas through its own ChoiceStream and fills the response's
@@ -143,7 +139,7 @@ class ChatReader:
 
     def fill(self, resp: pb.GenerateResponse, text: str, reason: str | None) -> None:
         p = self.streams.setdefault(resp.index, ChoiceStream(self.dialect))
-        piece = p.step(text, reason is not None)
+        piece = p.step(text, reason is not None, reason == "length")
         if piece is not None:
             resp.content = piece.content
             resp.reasoning_content = piece.reasoning

@@ -17,7 +17,7 @@ from appliance.http.body import read_json
 from appliance.http.errors import from_engine_error
 from appliance.http.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from appliance.http.serving import state_of
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidRequestError
 
 
 async def load_lora_adapter(request: Request) -> Response:
@@ -29,7 +29,7 @@ async def load_lora_adapter(request: Request) -> Response:
             state.server.body_timeout_s,
         )  # fmt: skip
         await state.adapters.load(req.lora_name, req.lora_path)
-    except (AdapterError, EngineError) as e:  # EngineError: dead or shutting down
+    except (AdapterError, EngineError, InvalidRequestError) as e:  # dead, shutting down, ...
         raise from_engine_error(e) from None
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
@@ -44,6 +44,6 @@ async def unload_lora_adapter(request: Request) -> Response:
             state.server.body_timeout_s,
         )  # fmt: skip
         await state.adapters.unload(req.lora_name)
-    except (AdapterError, EngineError) as e:
+    except (AdapterError, EngineError, InvalidRequestError) as e:
         raise from_engine_error(e) from None
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

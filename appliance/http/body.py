@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -129,17 +129,13 @@ def check_unsupported(data: dict[str, Any]) -> None:
         del data[name]
 
 
-async def read_json(
-    request: Request,
-    model: type[M],
-    limit: int,
-    timeout_s: float | None = None,
-    prepare: Callable[[dict[str, Any]], None] | None = None,
-) -> M:
-    """Content type (415), size (413), time (408), JSON syntax (400), fields and types (400).
+# Runs `fn(*args)` inline or on a worker thread by the size of the input it works on
+# (`AsyncEngine.offload_if_large`).
+Offload = Callable[..., Awaitable[Any]]
 
-    `prepare` sees the parsed object before validation (a route's own field policy: it may
-    drop fields or raise an APIError)."""
+
+def check_content_type(request: Request) -> None:
+    """415 unless the body is JSON (a missing Content-Type is read as JSON)."""
     if not _content_type_ok(request.headers.get("content-type")):
         raise APIError(
             415,
@@ -147,7 +143,33 @@ async def read_json(
             param=None,
             code="unsupported_media_type",
         )
+
+
+async def read_json(
+    request: Request,
+    model: type[M],
+    limit: int,
+    timeout_s: float | None = None,
+    offload: Offload | None = None,
+    prepare: Callable[[dict[str, Any]], None] | None = None,
+) -> M:
+    """Content type (415), size (413), time (408), JSON syntax (400), fields and types (400).
+    With `offload`, parsing and validation run where it puts work of the body's size.
+    `prepare` sees the parsed object before validation (a route's own field policy: it may
+    drop fields or raise an APIError)."""
+    check_content_type(request)
     raw = await read_body(request, limit, timeout_s)
+    if offload is not None:
+        return await offload(len(raw), parse_json, raw, model, prepare)
+    return parse_json(raw, model, prepare)
+
+
+def parse_json(
+    raw: bytes, model: type[M], prepare: Callable[[dict[str, Any]], None] | None = None
+) -> M:
+    """The body as `model`: JSON syntax, unsupported fields, `prepare`, fields and types
+    (400s). Takes time in proportion to the body: callers run it off the event loop when it
+    is large."""
     try:
         data = json.loads(raw)
     except RecursionError:  # `[[[[...`: the decoder's recursion limit, not a server fault

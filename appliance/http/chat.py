@@ -12,6 +12,7 @@ and a `tool_choice` that forces a call becomes a grammar constraint on the engin
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -63,6 +64,8 @@ from engine.output.request_output import RequestOutput
 from engine.request_stream import RequestStream
 from engine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
     """Plain dicts for the template; text parts joined, `developer` read as `system`."""
@@ -86,6 +89,14 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
                     )
                 texts.append(part.text)
             content = "\n".join(texts)
+        if m.role == "tool" and content is None:
+            # A tool's answer is its content (OpenAI requires it); checked here, where chat,
+            # its render route and /tokenize all read messages, so they answer alike.
+            raise bad_request(
+                "a tool message needs `content` (the tool's result)",
+                f"messages.{i}.content",
+                "missing_required_parameter",
+            )
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
@@ -140,22 +151,18 @@ def dialect_of(state: AppState, req: ChatCompletionRequest) -> ChatDialect:
         raise bad_request(str(e), e.param) from None
 
 
-async def checked_prompt_ids(
+def checked_prompt_ids(
     state: AppState, req: ChatCompletionRequest, params: SamplingParams
 ) -> tuple[ChatDialect, list[int]]:
     """The request's dialect and its rendered prompt ids, after the dialect's checks (tools,
-    reasoning) constrained `params`: what generation and the render route both need."""
+    reasoning) constrained `params`: what generation and the render route both need. Work
+    in proportion to the request (its tools, messages, schemas): run it with
+    `Begun.offload`."""
     dialect = dialect_of(state, req)
-    prompt_ids = await state.aeng.offload_if_large(
-        chat_size(req.messages),
-        render_chat,
-        state,
-        req.messages,
-        req.add_generation_prompt,
-        req.continue_final_message,
-        req.chat_template_kwargs,
-        dialect.tools,
-    )
+    prompt_ids = render_chat(
+        state, req.messages, req.add_generation_prompt, req.continue_final_message,
+        req.chat_template_kwargs, dialect.tools,
+    )  # fmt: skip
     dialect = for_prompt(dialect, state.aeng.tokenizer, prompt_ids)
     try:
         constrain(params, dialect)
@@ -165,45 +172,24 @@ async def checked_prompt_ids(
 
 
 async def create_chat_completion(request: Request) -> Response:
-    arrival, state, req, params, lora = await begin(request, ChatCompletionRequest)
-    dialect, prompt_ids = await checked_prompt_ids(state, req, params)
+    begun = await begin(request, ChatCompletionRequest)
+    state, req, params = begun.state, begun.req, begun.params
+    dialect, prompt_ids = await begun.offload(checked_prompt_ids, state, req, params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
 
     def map_param(p: str | None) -> str | None:
         return convert.engine_param(p, req)
 
     streams = await submit(
-        state,
-        [prompt_ids],
-        params,
-        rid,
-        priority=req.priority,
-        arrival_time=arrival,
-        map_param=map_param,
-        trace=(request, "chat"),
+        request, begun, [prompt_ids], rid, "chat", map_param=map_param,
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
-        lora_request=lora,
-        caller=caller_of(request, state, arrival),
-    )
+        caller=caller_of(request, state, begun.arrival),
+    )  # fmt: skip
     events = _stream(state, req, dialect, rid, streams, map_param) if req.stream else None
     return await respond(
         request, rid, streams, events,
         lambda f: _response(state, req, dialect, rid, f[0], map_param), map_param,
     )  # fmt: skip
-
-
-def chat_size(messages: list[ChatMessage]) -> int:
-    """What rendering `messages` costs, in characters, to decide whether it goes off the
-    event loop (`AsyncEngine.offload_if_large`): every text part and name counts, and each
-    message and part at least one, so many empty ones weigh too."""
-    total = 0
-    for m in messages:
-        total += 1 + len(m.name or "") + len(m.tool_call_id or "")
-        if isinstance(m.content, str):
-            total += len(m.content)
-        elif m.content:
-            total += sum(1 + len(p.text or "") for p in m.content)
-    return total
 
 
 def _num_top(req: ChatCompletionRequest) -> int:
@@ -229,7 +215,9 @@ def _response(
         lps = None
         if req.logprobs and c.logprobs is not None:
             lps = convert.chat_logprobs(c.logprobs, _num_top(req), state.token_str)
-        parsed = parse_choice(dialect, c.text)
+        parsed = parse_choice(dialect, c.text, cut=c.finish_reason == "length")
+        if parsed.dropped:
+            _log_cut_call(rid, c.index, parsed.dropped)
         calls = [
             ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
             for t in parsed.tool_calls
@@ -251,6 +239,15 @@ def _response(
     )
     _log_done(state, rid, req, out)
     return body
+
+
+def _log_cut_call(rid: str, index: int, dropped: int) -> None:
+    """A choice ended at max_tokens inside a tool call: its complete calls are answered as
+    tool_calls and the cut one is left out; said here so that it is not silent."""
+    logger.warning(
+        "tool call cut by the length limit was dropped",
+        extra={"fields": {"request_id": rid, "index": index, "dropped": dropped}},
+    )
 
 
 def _delta(d) -> ChoiceDelta:  # noqa: ANN001 - appliance.dialect.chat_output.ChoiceDelta
@@ -304,7 +301,10 @@ async def _stream(
                 if req.logprobs and c.logprobs:
                     lps = convert.chat_logprobs(c.logprobs, _num_top(req), state.token_str)
                 p = parsers[c.index]
-                piece = p.step(c.text, c.finish_reason is not None)
+                piece = p.step(c.text, c.finish_reason is not None, c.finish_reason == "length")
+                if p.dropped:
+                    _log_cut_call(rid, c.index, p.dropped)
+                    p.dropped = 0
                 delta = _delta(piece) if piece else ChoiceDelta()
                 reason = _finish_reason(c.finish_reason, p.called)
                 if delta.model_fields_set or reason or lps:

@@ -55,7 +55,8 @@ def prompts_of(prompt: str | list) -> list[str | list[int]]:
 
 
 async def create_completion(request: Request) -> Response:
-    arrival, state, req, params, lora = await begin(request, CompletionRequest)
+    begun = await begin(request, CompletionRequest)
+    state, req = begun.state, begun.req
     prompts = prompts_of(req.prompt)
     rid = f"cmpl-{uuid.uuid4().hex}"
 
@@ -63,18 +64,10 @@ async def create_completion(request: Request) -> Response:
         return convert.engine_param(p, req)
 
     streams = await submit(
-        state,
-        prompts,
-        params,
-        rid,
-        priority=req.priority,
-        arrival_time=arrival,
-        map_param=map_param,
-        trace=(request, "text_completion"),
+        request, begun, prompts, rid, "text_completion", map_param=map_param,
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
-        lora_request=lora,
-        caller=caller_of(request, state, arrival),
-    )
+        caller=caller_of(request, state, begun.arrival),
+    )  # fmt: skip
     events = _stream(state, req, rid, prompts, streams, map_param) if req.stream else None
     return await respond(
         request, rid, streams, events, lambda f: _response(state, req, rid, f, map_param),

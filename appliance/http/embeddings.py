@@ -33,8 +33,9 @@ async def create_embedding(request: Request) -> Response:
     arrival = time.monotonic()
     state = state_of(request)
     req = await read_json(
-        request, EmbeddingRequest, state.server.max_request_body, state.server.body_timeout_s
-    )
+        request, EmbeddingRequest, state.server.max_request_body, state.server.body_timeout_s,
+        offload=state.aeng.offload_if_large,
+    )  # fmt: skip
     if state.resolve_model(req.model) is not None:  # a LoRA adapter's name
         raise bad_request("LoRA adapters do not serve embeddings", "model")
     if state.shutting_down:

@@ -22,6 +22,8 @@ from engine.errors import (
     DeadlineExceededError,
     EngineDeadError,
     InvalidRequestError,
+    LoRANotFoundError,
+    LoRAPathError,
     QueueFullError,
     RequestFailedError,
 )
@@ -122,6 +124,10 @@ def from_engine_error(e: Exception) -> APIError:
         return APIError(e.status, e.message, INVALID_REQUEST, e.param, e.code)
     if isinstance(e, ResponsesError):
         return APIError(e.status, e.message, INVALID_REQUEST, e.param, e.code)
+    if isinstance(e, LoRAPathError):
+        return APIError(403, str(e), INVALID_REQUEST, e.param, "path_not_allowed")
+    if isinstance(e, LoRANotFoundError):
+        return APIError(404, str(e), INVALID_REQUEST, e.param, "model_not_found")
     if isinstance(e, SamplingParamsError):
         return bad_request(str(e), e.param)
     if isinstance(e, ContextLengthError):

@@ -6,10 +6,11 @@ policy sees the tokens the model will see rather than raw text. Without them the
 falls back to `/tokenize` and then to text: two wasted round trips per request.
 
 The body is read and checked exactly as the generation route checks it (same models, same
-sampling-parameter validation, same chat template, tools and dialect), so a request that
-renders here is one the generation route accepts up to the engine's own checks (context
-length, token ids inside the vocabulary). The answer is the part of vLLM's answer that
-routers read: `model` and `token_ids`; completions answer one entry per prompt.
+sampling-parameter validation, same chat template, tools and dialect, and the engine's own
+checks: token ids inside the vocabulary, the context length, the constraint compiled), so
+a request renders here exactly when the generation route would accept it. The answer is
+the part of vLLM's answer that routers read: `model` and `token_ids`; completions answer
+one entry per prompt.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from appliance.http import convert
 from appliance.http.chat import checked_prompt_ids
 from appliance.http.completions import prompts_of
 from appliance.http.protocol import (
@@ -25,24 +27,34 @@ from appliance.http.protocol import (
     CompletionRequest,
     RenderedPrompt,
 )
-from appliance.http.serving import begin
+from appliance.http.serving import Begun, begin
 
 
 async def render_completion(request: Request) -> Response:
-    _, state, req, _, _ = await begin(request, CompletionRequest)
-    rendered = []
-    for prompt in prompts_of(req.prompt):
-        if isinstance(prompt, str):
-            ids = await state.aeng.offload_if_large(
-                len(prompt), state.aeng.tokenizer.encode, prompt
-            )
-        else:
-            ids = list(prompt)
-        rendered.append(RenderedPrompt(model=state.model_name, token_ids=ids))
+    begun = await begin(request, CompletionRequest)
+    ids = await _validated_ids(begun, prompts_of(begun.req.prompt))
+    rendered = [RenderedPrompt(model=begun.state.model_name, token_ids=t) for t in ids]
     return JSONResponse(CompletionRenderResponse(rendered).model_dump(mode="json"))
 
 
 async def render_chat_completion(request: Request) -> Response:
-    _, state, req, params, _ = await begin(request, ChatCompletionRequest)
-    _, ids = await checked_prompt_ids(state, req, params)
+    begun = await begin(request, ChatCompletionRequest)
+    state, req = begun.state, begun.req
+    _, prompt_ids = await begun.offload(checked_prompt_ids, state, req, begun.params)
+    (ids,) = await _validated_ids(begun, [prompt_ids])
     return JSONResponse(RenderedPrompt(model=state.model_name, token_ids=ids).model_dump())
+
+
+async def _validated_ids(begun: Begun, prompts: list) -> list[list[int]]:
+    """Each prompt's token ids after the engine's own checks, the generation route's: the
+    one validation both share (`AsyncEngine.prepare_requests`: token ids inside the
+    vocabulary, the context length, the adapter, the constraint compiled), nothing queued."""
+    req = begun.req
+    try:
+        prepared = await begun.state.aeng.prepare_requests(
+            prompts, begun.params, [f"render-{i}" for i in range(len(prompts))],
+            lora_request=begun.lora, input_size=begun.size,
+        )  # fmt: skip
+    except Exception as e:
+        raise convert.client_error(e, lambda p: convert.engine_param(p, req)) from None
+    return [p.prompt_token_ids for p in prepared]

@@ -18,13 +18,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from appliance.http import convert
-from appliance.http.body import read_json
+from appliance.http.body import check_content_type, parse_json, read_body, read_json
 from appliance.http.caller import caller_of
 from appliance.http.errors import bad_request, from_engine_error
 from appliance.http.middleware import cache_salt_of, owner_of
 from appliance.http.protocol import ChatLogprobToken
 from appliance.http.serving import (
     AppState,
+    Begun,
     ClientGone,
     SSEResponse,
     log_done,
@@ -97,18 +98,17 @@ def _logprob_format(state: AppState, turn: Turn):  # noqa: ANN202 - builder.Logp
 async def create_response(request: Request) -> Response:
     arrival = time.monotonic()
     state = state_of(request)
-    req = await read_json(
-        request, ResponsesRequest, state.server.max_request_body, state.server.body_timeout_s,
-        prepare=_policy,
-    )  # fmt: skip
+    check_content_type(request)
+    raw = await read_body(request, state.server.max_request_body, state.server.body_timeout_s)
+    req = await state.aeng.offload_if_large(len(raw), parse_json, raw, ResponsesRequest, _policy)
     lora = state.resolve_model(req.model)
     turn, prompt_ids = await _prepare(state, request, req)
     rid = new_id("resp")
+    begun = Begun(arrival, state, req, turn.params, lora, len(raw))
     (stream,) = await submit(
-        state, [prompt_ids], turn.params, rid, priority=req.priority, arrival_time=arrival,
-        map_param=turn.client_param, trace=(request, "chat"),
+        request, begun, [prompt_ids], rid, "chat", map_param=turn.client_param,
         cache_salt=cache_salt_of(request.scope, req.cache_salt, state.server.cache_salt_by_api_key),
-        lora_request=lora, caller=caller_of(request, state, arrival),
+        caller=caller_of(request, state, arrival),
     )  # fmt: skip
     tok = state.aeng.tokenizer
     run = ResponseRun(
@@ -233,7 +233,7 @@ async def count_input_tokens(request: Request) -> Response:
     state = state_of(request)
     req = await read_json(
         request, ResponsesRequest, state.server.max_request_body, state.server.body_timeout_s,
-        prepare=_policy,
+        offload=state.aeng.offload_if_large, prepare=_policy,
     )  # fmt: skip
     state.resolve_model(req.model)
     _, ids = await _prepare(state, request, req)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from appliance.http.body import read_json
-from appliance.http.chat import chat_size, render_chat
+from appliance.http.body import check_content_type, parse_json, read_body
+from appliance.http.chat import render_chat
 from appliance.http.errors import UNAVAILABLE, APIError, bad_request
 from appliance.http.protocol import (
     DetokenizeRequest,
@@ -92,43 +95,46 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
-async def tokenize(request: Request) -> Response:
+async def _read_and_run(request: Request, fn: Callable[[AppState, bytes], Any]) -> Any:
+    """The body read, then `fn(state, raw)`: parsing, validation and the work itself, off
+    the event loop when the body is large (its bytes are the whole input)."""
     state = state_of(request)
-    req = await read_json(
-        request, TokenizeRequest, state.server.max_request_body, state.server.body_timeout_s
-    )
+    check_content_type(request)
+    raw = await read_body(request, state.server.max_request_body, state.server.body_timeout_s)
+    return await state.aeng.offload_if_large(len(raw), fn, state, raw)
+
+
+async def tokenize(request: Request) -> Response:
+    return _json(await _read_and_run(request, _tokenize))
+
+
+def _tokenize(state: AppState, raw: bytes) -> TokenizeResponse:
+    req = parse_json(raw, TokenizeRequest)
     state.resolve_model(req.model)  # any served name; they share the tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
     if req.messages is not None:
         if not req.messages:
             raise bad_request("messages must not be empty", "messages")
-        tokens = await state.aeng.offload_if_large(
-            chat_size(req.messages), render_chat, state, req.messages, req.add_generation_prompt
-        )
+        tokens = render_chat(state, req.messages, req.add_generation_prompt)
     else:
-        tokens = await state.aeng.offload_if_large(
-            len(req.prompt), state.aeng.tokenizer.encode, req.prompt
-        )
-    return _json(
-        TokenizeResponse(count=len(tokens), max_model_len=state.aeng.max_model_len, tokens=tokens)
+        tokens = state.aeng.tokenizer.encode(req.prompt)
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=state.aeng.max_model_len, tokens=tokens
     )
 
 
 async def detokenize(request: Request) -> Response:
-    state = state_of(request)
-    req = await read_json(
-        request, DetokenizeRequest, state.server.max_request_body, state.server.body_timeout_s
-    )
+    return _json(await _read_and_run(request, _detokenize))
+
+
+def _detokenize(state: AppState, raw: bytes) -> DetokenizeResponse:
+    """The text of the ids; 400 naming the first id outside the vocabulary."""
+    req = parse_json(raw, DetokenizeRequest)
     state.resolve_model(req.model)  # any served name; they share the tokenizer
-    text = await state.aeng.offload_if_large(len(req.tokens), _detokenize, state, req.tokens)
-    return _json(DetokenizeResponse(prompt=text))
-
-
-def _detokenize(state: AppState, tokens: list[int]) -> str:
-    """The text of `tokens`; 400 naming the first id outside the vocabulary."""
+    tokens = req.tokens
     vocab = state.aeng.tokenizer.vocab_size
     bad = next((t for t in tokens if t >= vocab), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary ({vocab})", "tokens")
-    return state.aeng.tokenizer.decode(tokens)
+    return DetokenizeResponse(prompt=state.aeng.tokenizer.decode(tokens))

@@ -16,17 +16,17 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from appliance.adapters import AdapterRegistry
+from appliance.adapters import AdapterRegistry, shown_name
 from appliance.config import ServerConfig
 from appliance.http import convert
-from appliance.http.body import read_json
+from appliance.http.body import check_content_type, parse_json, read_body
 from appliance.http.errors import UNAVAILABLE, APIError, from_engine_error
 from appliance.http.protocol import (
     CompletionEnvelope,
@@ -90,7 +90,7 @@ class AppState:
                 served += " and the adapters GET /v1/models lists"
             raise APIError(
                 404,
-                f"The model `{name}` does not exist; this server serves {served}",
+                f"The model `{shown_name(name)}` does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )
@@ -119,75 +119,95 @@ R = TypeVar("R", bound=SamplingFields)
 E = TypeVar("E", bound=CompletionEnvelope)
 
 
-async def begin(
-    request: Request, model: type[R]
-) -> tuple[float, AppState, R, SamplingParams, LoRARequest | None]:
+@dataclass
+class Begun(Generic[R]):
+    """A generation request as read by `begin`."""
+
+    arrival: float
+    state: AppState
+    req: R
+    params: SamplingParams
+    lora: LoRARequest | None
+    # The request's whole input (its body's bytes): what decides whether the work that
+    # grows with it (parsing, rendering, tokenizing, compiling) runs off the event loop.
+    size: int
+
+    async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` inline for a small request, on a worker thread for a large one."""
+        return await self.state.aeng.offload_if_large(self.size, fn, *args)
+
+
+async def begin(request: Request, model: type[R]) -> Begun[R]:
     """How every generation route starts (shared so they check in the same order): arrival
     time, app state, the validated body, the model name (and the adapter it selects), then
-    the sampling parameters."""
+    the sampling parameters; the body's parsing and conversion off the event loop when the
+    body is large."""
     arrival = time.monotonic()
     state = state_of(request)
-    req = await read_json(
-        request, model, state.server.max_request_body, state.server.body_timeout_s
-    )
-    lora = state.resolve_model(req.model)
-    return arrival, state, req, convert.sampling_params(req), lora  # type: ignore[arg-type]
+    check_content_type(request)
+    raw = await read_body(request, state.server.max_request_body, state.server.body_timeout_s)
+
+    def parse() -> tuple[R, SamplingParams, LoRARequest | None]:
+        req = parse_json(raw, model)
+        lora = state.resolve_model(req.model)
+        return req, convert.sampling_params(req), lora  # type: ignore[arg-type]
+
+    req, params, lora = await state.aeng.offload_if_large(len(raw), parse)
+    return Begun(arrival, state, req, params, lora, len(raw))
 
 
 async def submit(
-    state: AppState,
+    request: Request,
+    begun: Begun,
     prompts: Sequence[str | list[int]],
-    params: SamplingParams,
     base_id: str,
+    operation: str,
     *,
-    priority: int,
-    arrival_time: float,
     map_param: Callable[[str | None], str | None] = lambda p: p,
-    trace: tuple[Request, str] | None = None,
     cache_salt: tuple[str, ...] = (),
-    lora_request: LoRARequest | None = None,
     caller: Caller | None = None,
 ) -> list[RequestStream]:
-    """Adds one engine request per prompt (run with `lora_request`'s adapter, if given); on
-    any failure aborts those already added. `caller` (appliance/http/caller.py): the
-    tenant and deadline every prompt runs under, and the tenant's cache salt.
+    """Adds one engine request per prompt (run with the adapter the request selected):
+    every prompt is validated before any is queued, and all are queued at once
+    (`AsyncEngine.add_requests`); on any failure none stays queued. `caller`
+    (appliance/http/caller.py): the tenant and deadline every prompt runs under, and the
+    tenant's cache salt.
 
-    `trace` is (the HTTP request, GenAI operation name): with tracing on, each engine
-    request is recorded as a span joined to the caller's `traceparent` when it ends."""
+    The client is watched meanwhile: if it leaves before the prompts are queued, they are
+    aborted (or never queued) and the request ends as a 499 (`ClientDisconnect`), however
+    long the preparation takes. With tracing on, each engine request is recorded as a span
+    of GenAI `operation`, joined to the caller's `traceparent`, when it ends."""
+    state, params, lora = begun.state, begun.params, begun.lora
     if state.shutting_down:
         # Draining after SIGTERM: uvicorn closes its listener only on its next tick, so a
         # connection accepted meanwhile must still be refused, not handed new work.
         raise APIError(503, "the server is shutting down", type_=UNAVAILABLE, code="shutting_down")
-    streams: list[RequestStream] = []
+    rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    if state.tracer is not None:
+        for rid in rids:
+            state.tracer.register(rid, dict(request.headers), params, operation)
     try:
-        with state.adapters.admitting(lora_request) if lora_request else nullcontext():
-            for i, prompt in enumerate(prompts):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                if state.tracer is not None and trace is not None:
-                    state.tracer.register(rid, dict(trace[0].headers), params, trace[1])
-                streams.append(
-                    await state.aeng.add_request(
-                        prompt,
-                        params,
-                        rid,
-                        priority=priority,
-                        arrival_time=arrival_time,
-                        cache_salt=(*caller.salt, *cache_salt) if caller else cache_salt,
-                        lora_request=lora_request,
-                        tenant=caller.tenant if caller else None,
-                        deadline=caller.deadline if caller else None,
-                    )  # fmt: skip
-                )
-                if lora_request is not None:
-                    state.adapters.count_request(lora_request)
+        with state.adapters.admitting(lora) if lora else nullcontext():
+            adding = state.aeng.add_requests(
+                prompts, params, rids, priority=begun.req.priority, arrival_time=begun.arrival,
+                cache_salt=(*caller.salt, *cache_salt) if caller else cache_salt,
+                lora_request=lora, input_size=begun.size,
+                tenant=caller.tenant if caller else None,
+                deadline=caller.deadline if caller else None,
+            )  # fmt: skip
+            streams = await until_disconnect(request, adding, ())
     except BaseException as e:
-        abort_all(streams)
         if state.tracer is not None:
-            for i in range(len(streams), len(prompts)):
-                state.tracer.forget(base_id if len(prompts) == 1 else f"{base_id}-{i}")
+            for rid in rids:
+                state.tracer.forget(rid)
+        if isinstance(e, ClientGone):
+            raise ClientDisconnect() from None
         if isinstance(e, Exception):
             raise convert.client_error(e, map_param) from None
         raise
+    if lora is not None:
+        for _ in streams:
+            state.adapters.count_request(lora)
     return streams
 
 

@@ -92,7 +92,9 @@ def test_a_module_the_engine_refuses_fails_startup_naming_its_key(tmp_path) -> N
     assert "rank 64" in str(info.value)
 
 
-@pytest.mark.parametrize(("name", "reason"), [("tiny", "base model"), ("a,b", "','")])
+@pytest.mark.parametrize(
+    ("name", "reason"), [("tiny", "base model"), ("a,b", "each a letter, a digit")]
+)
 def test_a_module_name_that_cannot_be_routed_fails_startup(tmp_path, name, reason) -> None:
     reg = _registry(StandInEngine(), tmp_path, modules={name: "/a/x"})
     with pytest.raises(ConfigError) as info:

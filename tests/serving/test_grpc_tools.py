@@ -196,3 +196,14 @@ def test_required_on_the_tiny_engine_returns_arguments_that_follow_the_schema(
     (call,) = _calls(out)
     assert call.name == "forecast"
     jsonschema.validate(json.loads(call.arguments), schema)
+
+
+def test_stop_strings_with_a_forced_call_are_refused_naming_sampling_stop():
+    """Issue 28, E14: `stop: ['"', '{']` cut the forced call to `<tool_call>\\n`, "stop"."""
+    req = _chat([USER], tools=[TOOL], tool_choice=pb.ToolChoice(mode="required"))
+    req.sampling.stop.extend(['"', "{"])
+    (e,), fake = run_fake([req], [CALL])
+    assert isinstance(e, grpc.aio.AioRpcError), e
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.details().startswith("sampling.stop: "), e.details()
+    assert not fake.requests

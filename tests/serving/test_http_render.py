@@ -129,3 +129,40 @@ def test_router_dialect_fields_other_than_their_default_are_refused_by_name(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == (field, "unsupported_parameter")
+
+
+# ---- issue 28, E13: one validation for the render, tokenize and generation routes ----------
+VOCAB_CASES = [
+    ("/v1/completions/render", {"prompt": [5, -1]}, 400, "prompt"),
+    ("/v1/completions/render", {"prompt": [5, 10**9]}, 400, "prompt"),
+    ("/v1/completions/render", {"prompt": "x", "structured_outputs": {"regex": "(a"}}, 400,
+     "structured_outputs.regex"),
+    ("/v1/completions/render", {"prompt": [5] * 1000}, 400, "prompt"),
+    ("/v1/chat/completions/render", {"messages": MSGS, "structured_outputs": {"regex": "(a"}},
+     400, "structured_outputs.regex"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path, body, status, param", VOCAB_CASES)
+def test_render_refuses_what_generation_refuses(server, path, body, status, param) -> None:
+    """Token ids outside the vocabulary, a prompt over the context, a constraint that does
+    not compile: the engine's own checks, which the render route skipped."""
+    url, aeng = server
+    before = aeng.stats().prompt_tokens_total
+    gen = _post(url, path.removesuffix("/render"), {**body, "max_tokens": 1})
+    assert (gen.status_code, gen.json()["error"]["param"]) == (status, param), gen.text
+    r = _post(url, path, body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert aeng.stats().prompt_tokens_total == before
+
+
+def test_tokenize_refuses_the_messages_chat_refuses(server) -> None:
+    url, _ = server
+    msgs = [*MSGS, {"role": "tool", "tool_call_id": "c1"}]  # a tool message without content
+    chat = _post(url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["param"] == "messages.2.content", chat.text
+    for path in ("/tokenize", "/v1/chat/completions/render"):
+        r = _post(url, path, {"messages": msgs})
+        assert (r.status_code, r.json()["error"]) == (400, chat.json()["error"]), (path, r.text)

@@ -179,3 +179,103 @@ def test_tools_refused_when_the_server_parses_none():
             assert e.body["param"] == "tools"
 
     run(fn, [], ServerConfig(tool_parser="none"))
+
+
+# ---- issue 28, E15: a tool-call answer cut by max_tokens ------------------------------------
+CALL_LYON = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
+CUT_AT = '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+THREE_CALLS = f'{CALL}\n{CALL_LYON}\n{CUT_AT}ty": "Nice"}}}}\n</tool_call>'
+CUT_TOKENS = len(f"{CALL}\n{CALL_LYON}\n{CUT_AT}")  # the fake engine: one character a token
+
+
+def _cut_request(client, tool_choice: str, stream: bool = False):
+    return client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+        tool_choice=tool_choice, max_tokens=CUT_TOKENS, stream=stream,
+    )  # fmt: skip
+
+
+def test_a_length_finish_returns_the_complete_calls_and_drops_the_cut_one():
+    """Before: the cut third call made the whole answer "malformed", so both complete calls
+    came back as raw `<tool_call>` markup in content, with no tool_calls."""
+
+    async def fn(client, fake):
+        for choice_kind in ("required", "auto"):
+            r = await _cut_request(client, choice_kind)
+            choice = r.choices[0]
+            assert choice.finish_reason == "length", choice_kind
+            assert choice.message.content is None, (choice_kind, choice.message.content)
+            args = [json.loads(c.function.arguments) for c in choice.message.tool_calls]
+            assert args == [{"city": "Paris"}, {"city": "Lyon"}], choice_kind
+
+    run(fn, [THREE_CALLS, THREE_CALLS])
+
+
+def test_a_streamed_auto_answer_cut_by_length_sends_the_complete_calls():
+    async def fn(client, fake):
+        calls: dict[int, dict] = {}
+        content, reasons = "", []
+        async for chunk in await _cut_request(client, "auto", stream=True):
+            for ch in chunk.choices:
+                content += ch.delta.content or ""
+                reasons.append(ch.finish_reason)
+                for t in ch.delta.tool_calls or ():
+                    c = calls.setdefault(t.index, {"name": "", "arguments": ""})
+                    c["name"] += t.function.name or ""
+                    c["arguments"] += t.function.arguments or ""
+        assert "<tool_call>" not in content and reasons[-1] == "length", (content, reasons)
+        assert [json.loads(c["arguments"]) for c in calls.values()] == [
+            {"city": "Paris"},
+            {"city": "Lyon"},
+        ]
+
+    run(fn, [THREE_CALLS])
+
+
+def test_a_call_cut_before_any_completed_is_no_markup_in_content():
+    async def fn(client, fake):
+        r = await client.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+            tool_choice="required", max_tokens=len(CUT_AT),
+        )  # fmt: skip
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and not choice.message.tool_calls
+        assert not choice.message.content, choice.message.content
+
+    run(fn, [THREE_CALLS])
+
+
+def test_parallel_tool_calls_false_forces_exactly_one_call():
+    async def fn(client, fake):
+        await client.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+            tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+        )  # fmt: skip
+        grammar = fake.requests[0].params.structured_outputs.grammar
+        assert grammar.startswith("start: call\n"), grammar
+
+    run(fn, [CALL])
+
+
+def test_stop_strings_with_a_forced_call_are_a_400_naming_stop():
+    """Issue 28, E14: before, `stop: ['"', '{']` ended the forced call as content
+    `<tool_call>\\n` with finish "stop"; under `auto` stop strings still apply."""
+
+    async def fn(client, fake):
+        msgs = [{"role": "user", "content": "x"}]
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            try:
+                await client.chat.completions.create(
+                    model="fake-model", messages=msgs, tools=TOOLS, tool_choice=choice,
+                    stop=['"', "{"], max_tokens=200,
+                )  # fmt: skip
+                raise AssertionError("a 400 was expected")
+            except openai.BadRequestError as e:
+                assert e.body["param"] == "stop", e.body
+        assert not fake.requests
+        r = await client.chat.completions.create(
+            model="fake-model", messages=msgs, tools=TOOLS, stop=["Paris"], max_tokens=200
+        )
+        assert r.choices[0].finish_reason in ("stop", "tool_calls")
+
+    run(fn, ["plain answer"])

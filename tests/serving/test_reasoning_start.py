@@ -167,13 +167,13 @@ def deepseek(tiny_llama_dir: Path, tmp_path_factory) -> Iterator[tuple[Stack, li
     server = ServerConfig(host="127.0.0.1", http_port=0, reasoning_parser="deepseek_r1")
     with served(tiny_engine(model, max_model_len=512), server) as s:
         seen: list = []
-        inner = s.aeng.add_request
+        inner = s.aeng.add_requests  # how the HTTP routes queue a request's prompts
 
-        async def recording(prompt, params, *a, **kw):
+        async def recording(prompts, params, *a, **kw):
             seen.append(params.structured_outputs)
-            return await inner(prompt, params, *a, **kw)
+            return await inner(prompts, params, *a, **kw)
 
-        s.aeng.add_request = recording
+        s.aeng.add_requests = recording
         yield s, seen
 
 

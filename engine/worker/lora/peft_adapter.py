@@ -20,9 +20,12 @@ layer replication, other LoRA variants), as are shapes that do not fit the base 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from hashlib import sha256
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-from engine.errors import LoRAError
+from engine.errors import LoRAError, LoRAPathError
 from engine.lora_request import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
@@ -107,11 +110,17 @@ def load_peft_adapter(
     problem. Reads files only: safe on any thread."""
     where = f"LoRA adapter {lora.lora_name!r} ({lora.lora_path})"
     try:
-        config_bytes, weights_bytes = _read_files(Path(lora.lora_path))
+        if lora.allowed_dirs:
+            config_bytes, weights_bytes = (
+                read_confined(Path(lora.lora_path) / name, lora.allowed_dirs)
+                for name in (CONFIG_FILE, WEIGHTS_FILE)
+            )
+        else:
+            config_bytes, weights_bytes = _read_files(Path(lora.lora_path))
         config = _parse_config(config_bytes)
         modules = _read_modules(config, weights_bytes, shapes, max_rank, dtype)
     except LoRAError as e:
-        raise LoRAError(f"{where}: {e}") from None
+        raise type(e)(f"{where}: {e}") from None  # LoRAPathError stays one (a 403)
     digest = sha256(config_bytes)
     digest.update(weights_bytes)
     rank = max(a.shape[0] for a, _ in modules.values())
@@ -133,6 +142,48 @@ def _read_files(path: Path) -> tuple[bytes, bytes]:
         return config.read_bytes(), weights.read_bytes()
     except OSError as e:
         raise LoRAError(f"cannot read the adapter files: {e}") from None
+
+
+def read_confined(path: Path, roots: tuple[str, ...]) -> bytes:
+    """The bytes of the file at `path`, which must really lie under one of `roots` (real
+    paths). The file is opened once and the check and the read use that descriptor: its
+    path as the kernel resolved it (/proc/self/fd) must be inside a root, so a symlink
+    swapped between a check and the read cannot point the read elsewhere. A path that
+    resolves outside is refused (LoRAPathError) before anything is opened, and with the
+    same message whether its target exists or not; only files inside may be reported
+    missing or unreadable."""
+    name = path.name
+    outside = LoRAPathError(f"{name} lies outside lora.allowed_dirs (symlinks resolved)")
+    if not _inside(os.path.realpath(path), roots):
+        raise outside
+    try:
+        # O_NOFOLLOW on the resolved path: its last part cannot have become a symlink since.
+        fd = os.open(os.path.realpath(path), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise LoRAError(f"{name} is missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise outside from None
+        raise LoRAError(f"{name} cannot be read: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        opened = _fd_path(f.fileno())
+        if opened is not None and not _inside(opened, roots):
+            raise outside
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise LoRAError(f"{name} is not a regular file")
+        return f.read()
+
+
+def _fd_path(fd: int) -> str | None:
+    """The path the kernel opened `fd` at (Linux); None where that cannot be read."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+def _inside(real: str, roots: tuple[str, ...]) -> bool:
+    return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
 def _parse_config(raw: bytes) -> dict[str, Any]:

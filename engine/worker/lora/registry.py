@@ -9,7 +9,9 @@ so dropping an adapter from the registry, by LRU beyond `lora.max_cpu_loras` or 
 removal, never changes a request already holding it; an evicted adapter is read again from
 its path by the next request naming it. A removal has two halves: `begin_remove` (new
 requests are refused from then on, and requests prepared before it but not yet queued are
-refused by `check_admit`) and `finish_remove` once no request uses it.
+refused by `check_admit`) and `finish_remove` once no request uses it. A name stays known
+after its weights were evicted (until it is removed), so removing an evicted adapter is a
+removal like any other (the drain, the epoch), never "not found".
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class LoRARegistry:
         self.capacity = config.max_cpu_loras or max(config.max_loras, 32)
         self._lock = threading.Lock()
         self._loaded: OrderedDict[str, LoRAWeights] = OrderedDict()  # LRU order
-        self._draining: dict[str, LoRAWeights] = {}
+        self._draining: dict[str, LoRAWeights | None] = {}  # None: evicted before removal
+        self._known: dict[str, LoRARequest] = {}  # every name added and not removed
         # Removals per name: a request prepared under an older count is refused.
         self._epochs: dict[str, int] = {}
 
@@ -50,6 +53,7 @@ class LoRARegistry:
             if hit is not None:
                 return hit, self._epochs.get(lora.lora_name, 0)
             self._loaded[lora.lora_name] = weights
+            self._known[lora.lora_name] = lora
             while len(self._loaded) > self.capacity:
                 self._loaded.popitem(last=False)
             return weights, self._epochs.get(lora.lora_name, 0)
@@ -77,8 +81,8 @@ class LoRARegistry:
             if name in self._draining:
                 return
             weights = self._loaded.pop(name, None)
-            if weights is None:
-                raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded")
+            if weights is None and name not in self._known:
+                raise LoRANotFoundError(f"no LoRA adapter named {name!r:.80} is loaded")
             self._draining[name] = weights
             self._epochs[name] = self._epochs.get(name, 0) + 1
 
@@ -89,6 +93,7 @@ class LoRARegistry:
     def finish_remove(self, name: str) -> None:
         with self._lock:
             self._draining.pop(name, None)
+            self._known.pop(name, None)
 
     def _lookup(self, lora: LoRARequest) -> LoRAWeights | None:
         """The loaded weights for `lora`, None if not loaded; LoRAError on a conflict."""

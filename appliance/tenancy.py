@@ -52,9 +52,9 @@ def request_cache_salt(
 
 def response_owner(api_key: str | bytes | None) -> str:
     """Who owns a stored response (the Responses API's `store`): a hash of the API key that
-    created it, or "" for a server without keys. The one place ownership is decided: with
-    tenants (`server.tenants`), map the key to its tenant here and every stored response
-    follows (HTTP and gRPC alike)."""
+    created it, or "" for a server without keys. The one place ownership is decided (HTTP
+    and gRPC alike): tenants (issue 26, `server.tenants`) are not in this build yet; when
+    they are, mapping the key to its tenant here makes every stored response follow."""
     if api_key is None:
         return ""
     raw = api_key.encode() if isinstance(api_key, str) else api_key

@@ -140,6 +140,25 @@ def test_model_field_runs_the_adapter_as_the_offline_engine_does(served) -> None
     assert "".join(c.choices[0].text for c in chunks if c.choices) == with_a
 
 
+def test_responses_model_field_runs_the_adapter_as_the_offline_engine_does(served) -> None:
+    """/v1/responses takes an adapter's name as `model` (issue 29): the answer is the
+    adapter's greedy text for the same rendered prompt, not the base model's."""
+    messages = [{"role": "user", "content": "Name a city."}]
+    ids = served.post("/tokenize", {"model": "a", "messages": messages}).json()["tokens"]
+    with_a, base = served.expect(ids, "a"), served.expect(ids, None)
+    assert with_a != base
+    for model, want in (("a", with_a), ("tiny", base)):
+        r = served.client.responses.create(
+            model=model, input="Name a city.", max_output_tokens=MAX_TOKENS, temperature=0,
+            store=False, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert r.model == model and r.output_text == want
+        assert r.usage.input_tokens == len(ids)
+    with pytest.raises(openai.NotFoundError) as info:
+        served.client.responses.create(model="nope", input="x", store=False)
+    assert info.value.code == "model_not_found"
+
+
 def test_models_lists_the_adapters_under_the_base_model(served) -> None:
     cards = {m.id: m for m in served.client.models.list().data}
     assert cards["a"].parent == "tiny" and cards["a"].root == str(served.dirs["a"])

@@ -146,9 +146,22 @@ def test_bad_embedding_requests_are_shaped_400s(served, body, param, needle):
 def test_unknown_model_is_404_and_generation_on_an_embedding_model_is_400(served):
     r = httpx.post(f"{served.url}/v1/embeddings", json={"input": "x", "model": "nope"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] == "model" and "task 'embed'" in r.json()["error"]["message"]
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):  # fmt: skip
+        r = httpx.post(f"{served.url}{path}", json=body)
+        assert r.status_code == 400, path
+        err = r.json()["error"]
+        assert err["param"] == "model" and "task 'embed'" in err["message"], path
+
+    async def generate() -> None:
+        async with served.harness.channel() as ch:
+            async for _ in pb_grpc.ApplianceStub(ch).Generate(pb.GenerateRequest(text="hi")):
+                pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        served.harness.run(generate())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "task 'embed'" in e.value.details()
 
 
 def test_the_engine_keeps_serving_and_holds_no_kv_after_the_bad_requests(served):

@@ -16,7 +16,8 @@
 #   jit      build the FlashInfer modules the backend needs (MAX_JOBS=16, seconds per module)
 #   backend  tests/worker/test_gpu.py: FlashInfer vs the torch backend (no-window kernels)
 #   graphs   tests/worker/test_gpu.py: graph replay vs eager
-#   fidelity tests/worker/test_gpu.py: LLM greedy vs transformers bf16, engine picks FlashInfer
+#   fidelity tests/worker/test_gpu.py: LLM greedy vs transformers bf16, engine picks FlashInfer,
+#            LLM.embed bf16 on FlashInfer vs sentence-transformers
 #   served   appliance serve on the device: health, streamed chat, gRPC stream
 #   kv       KV sizing at 0.9 with 256 sequences, an OOM-free top-p step (Llama-3-8B shape)
 #   decode   decode tok/s at batch 1/8/64/256, context 512, eager vs graphs (Llama-3-8B shape)
@@ -30,11 +31,11 @@ CARRY=.gpu
 SITE=/tmp/gpu_site
 PY=${PY:-python3}
 ALL_PHASES=(setup jit backend graphs fidelity served kv decode fp8)
-declare -A LIMIT=([setup]=60 [jit]=200 [backend]=90 [graphs]=90 [fidelity]=90 [served]=120
+declare -A LIMIT=([setup]=60 [jit]=200 [backend]=90 [graphs]=90 [fidelity]=120 [served]=120
                   [kv]=120 [decode]=120 [fp8]=150)
 # pytest phases: a -k selection of tests/worker/test_gpu.py (the dry run checks it selects some)
 declare -A TESTS=([backend]="(flashinfer_matches and not 24) or start_up_probe" [graphs]="graph_replays"
-                  [fidelity]="transformers or picks_flashinfer")
+                  [fidelity]="transformers or picks_flashinfer or embeddings_on_cuda")
 
 prepare() {  # on the CPU box: the trimmed FlashInfer and the tvm-ffi wheel, in .gpu/
     local py=.venv/bin/python dl tree

@@ -30,7 +30,7 @@ from appliance.http.server import BackgroundServer
 from engine.async_engine import AsyncEngine
 from tests.support.fake_engine import FakeLLMEngine
 from tests.support.grpc_harness import Harness, start_harness, tiny_llm_engine
-from tests.support.tiny_embedders import st_encode
+from tests.support.tiny_embedders import st_encode, st_pooled_unnormalized
 
 TEXTS = ["The capital of France is Paris.", "a", "Once upon a time there was a little girl."]
 ATOL = 1e-4
@@ -146,9 +146,22 @@ def test_bad_embedding_requests_are_shaped_400s(served, body, param, needle):
 def test_unknown_model_is_404_and_generation_on_an_embedding_model_is_400(served):
     r = httpx.post(f"{served.url}/v1/embeddings", json={"input": "x", "model": "nope"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 400
-    assert r.json()["error"]["param"] == "model" and "task 'embed'" in r.json()["error"]["message"]
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):  # fmt: skip
+        r = httpx.post(f"{served.url}{path}", json=body)
+        assert r.status_code == 400, path
+        err = r.json()["error"]
+        assert err["param"] == "model" and "task 'embed'" in err["message"], path
+
+    async def generate() -> None:
+        async with served.harness.channel() as ch:
+            async for _ in pb_grpc.ApplianceStub(ch).Generate(pb.GenerateRequest(text="hi")):
+                pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        served.harness.run(generate())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "task 'embed'" in e.value.details()
 
 
 def test_the_engine_keeps_serving_and_holds_no_kv_after_the_bad_requests(served):
@@ -166,6 +179,52 @@ def test_embedding_metrics_count_inputs_and_their_tokens(served):
     assert lines['appliance_embedding_inputs_total{finish_reason="stop"}'] >= 3
     assert lines["appliance_embedding_prompt_tokens_total"] >= 3
     assert lines["appliance_request_inference_time_seconds_count"] >= 3
+    assert lines["appliance_request_queue_time_seconds_count"] >= 3
+
+
+def test_truncate_prompt_tokens_keeps_each_inputs_last_tokens(served):
+    ids = served.aeng.tokenizer.encode(TEXTS[2])
+    assert len(ids) > 4
+    cut = served.client.embeddings.create(
+        model="emb", input=TEXTS[2], encoding_format="float",
+        extra_body={"truncate_prompt_tokens": 4},
+    )  # fmt: skip
+    tail = served.client.embeddings.create(model="emb", input=ids[-4:], encoding_format="float")
+    whole = served.client.embeddings.create(model="emb", input=TEXTS[2], encoding_format="float")
+    assert cut.usage.prompt_tokens == 4
+    assert cut.data[0].embedding == tail.data[0].embedding != whole.data[0].embedding
+
+
+# ---- every other architecture and pooling method through HTTP and gRPC --------------------
+# The module's `served` model is qwen3 / mean; these are cases of tests/engine/test_embeddings.py
+# (the same cached checkpoints), so every architecture and every pooling method is checked
+# against sentence-transformers through the served routes too, not only offline.
+SERVED_CASES = [("llama", "last", True, True), ("mistral", "cls", False, True),
+                ("qwen2", "mean", False, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arch", "pooling", "bare", "normalize"), SERVED_CASES)
+def test_each_architecture_and_pooling_equals_sentence_transformers_over_http_and_grpc(
+    tiny_embedder, arch, pooling, bare, normalize
+):
+    model_dir = tiny_embedder(arch, pooling, bare=bare, normalize=normalize)
+    ref = st_encode(model_dir, TEXTS)
+    other = "cls" if pooling != "cls" else "last"  # the check's power: another method is far
+    unit = torch.nn.functional.normalize
+    wrong = unit(st_pooled_unnormalized(model_dir, TEXTS, other), dim=1)
+    assert (wrong - unit(ref, dim=1)).abs().max() > 100 * ATOL
+    h = start_harness(tiny_llm_engine(model_dir, max_model_len=MAX_MODEL_LEN,
+                                      max_num_batched_tokens=8, served_model_name="e"))  # fmt: skip
+    try:
+        with BackgroundServer(build_app(h.engine, ServerConfig())) as srv:
+            client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+            r = client.embeddings.create(model="e", input=TEXTS)  # base64, as the SDK asks
+        _close(torch.tensor([d.embedding for d in r.data]), ref)
+        resp = _embed(h, pb.EmbedRequest(inputs=[pb.EmbedInput(text=t) for t in TEXTS]))
+        _close(torch.tensor([list(e.values) for e in resp.embeddings]), ref)
+    finally:
+        h.close()
+    asyncio.set_event_loop(None)
 
 
 # ---- gRPC -----------------------------------------------------------------------------------

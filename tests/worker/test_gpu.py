@@ -1,7 +1,8 @@
 """GPU checks (skipped without CUDA): FlashInfer vs the torch backend, the start-up probe,
 graph replays against eager (tests/support/graph_equality.py, whose logic
 tests/worker/test_graph_equality.py checks on the CPU), greedy fidelity against transformers
-in bf16. scripts/gpu_check.sh runs them on the H200.
+in bf16, embeddings (prefill-only, pooled on the device) against sentence-transformers.
+scripts/gpu_check.sh runs them on the H200.
 
 Every FlashInfer kernel family used here (bf16, head_dim 128, with and without a sliding
 window) is the one bench/gpu_decode.py builds, so the JIT compiles happen once per machine.
@@ -152,3 +153,37 @@ def test_engine_picks_flashinfer_and_graphs_on_cuda(tiny_gpu_model, flashinfer_b
     acc = llm.engine.accelerator
     assert (acc.attention_backend, acc.decode_graphs, acc.fallbacks()) == ("flashinfer", True, {})
     assert llm.engine.runner.backend.name == "flashinfer"
+
+
+def embedding_fidelity(device: str) -> str:
+    """LLM.embed in bf16 on `device` against sentence-transformers (float32, CPU) on a tiny
+    mean-pooled, normalized qwen3 embedder with head_dim 128 (the FlashInfer kernel family
+    above), prompts chunked over 8-token steps so the running sum crosses steps; returns the
+    attention backend that ran. A bf16 vector is within 1e-2 and cosine 0.999 of the
+    reference (on the CPU: 3e-3 and 0.9999), while the same prompts last-token pooled are
+    not, so a swapped pooling method fails. Called with "cpu" it checks the same on the CPU."""
+    import tempfile
+    from pathlib import Path
+
+    from engine import LLM
+    from tests.support.tiny_embedders import make_tiny_embedder, st_encode, st_pooled_unnormalized
+
+    texts = ["The capital of France is Paris.", "a", "Hello, how are you today?",
+             "Once upon a time there was a little girl who lived in a village near the forest."]  # fmt: skip
+    path = make_tiny_embedder(Path(tempfile.mkdtemp()) / "qwen3-mean", "qwen3", "mean", **TINY_128)
+    ref = st_encode(path, texts)
+    unit, cos = torch.nn.functional.normalize, torch.nn.functional.cosine_similarity
+    wrong = unit(st_pooled_unnormalized(path, texts, "last"), dim=1)
+    assert float(cos(wrong, ref, dim=1).min()) < 0.99  # the check tells the methods apart
+    llm = LLM(str(path), dtype="bfloat16", device=device, max_model_len=256, block_size=BLOCK,
+              num_kv_blocks=64, max_num_batched_tokens=8)  # fmt: skip
+    ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    assert ours.shape == ref.shape
+    assert float(cos(ours, ref, dim=1).min()) >= 0.999
+    assert float((ours - ref).abs().max()) < 1e-2
+    assert float((ours.norm(dim=1) - 1).abs().max()) < 1e-3
+    return llm.engine.runner.backend.name
+
+
+def test_embeddings_on_cuda_equal_sentence_transformers(flashinfer_backend):
+    assert embedding_fidelity("cuda") == "flashinfer"

@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/throughput.py --models llama50m --workloads w256-long --repeats 2
 	$(BIN)/python bench/serving.py
 	$(BIN)/python bench/serving_vs.py
+	$(BIN)/python bench/tenants.py
 	$(BIN)/python bench/plot.py --update-docs
 
 # Regenerates the committed gRPC stubs (tests/serving/test_grpc_proto.py checks they are in sync).

@@ -23,9 +23,10 @@ twice the batch), so FCFS's wait behind a flood is bounded by the bound, as in p
    steps; FCFS >= 3x worse; throughput fair / fcfs >= 0.97.
 4. goodput: A and B together at 2x capacity, each request with a deadline of `--tight-s`
    or `--loose-s` (half each), under `deadline` with the deadline sent as X-Request-Timeout,
-   against fcfs without deadline handling (no header; the client judges the same deadline).
-   Goodput = requests finished within their deadline per second; goal >= 1.3x FCFS, and
-   0 tokens computed for requests that expired in the queue (their spans: no step).
+   against fcfs without deadline handling (no header; the client judges the same deadline),
+   and fcfs with the header (the drops without the earliest-deadline order). Goodput =
+   requests finished within their deadline per second; goal >= 1.3x FCFS, and 0 tokens
+   computed for requests that expired in the queue (their spans: no step).
 
 Results: one JSON line in bench/results/tenants.jsonl (machine, load, every figure, the
 ratios), the per-tenant TTFT-over-time plot bench/results/tenants_ttft.png. The box is
@@ -346,8 +347,10 @@ def flood_run(args, server, sink, plans) -> tuple[dict, list[tuple[str, float, f
     out["total_output_tok_per_s"] = round(
         out["A"]["output_tok_per_s"] + out["B"]["output_tok_per_s"], 2
     )
-    t_min = min((x.start for x in spans.values()), default=0.0)
-    points = [(x.tenant, x.start - t_min, x.ttft_s) for x in spans.values() if x.ttft_s is not None]
+    # Only this run's requests (a warm-up's spans may arrive late, in the same export).
+    mine = [spans[s.request_id] for s in sent if s.request_id in spans]
+    t_min = min((x.start for x in mine), default=0.0)
+    points = [(x.tenant, x.start - t_min, x.ttft_s) for x in mine if x.ttft_s is not None]
     return out, points
 
 
@@ -415,6 +418,11 @@ def main() -> None:
     ap.add_argument("--tight-s", type=float, default=None, help="default: 4x B's e2e alone")
     ap.add_argument("--loose-s", type=float, default=None, help="default: 12x B's e2e alone")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--capacity", type=float, default=None, help="req/s: skip measuring it")
+    ap.add_argument(
+        "--goodput-only", action="store_true",
+        help="only the goodput runs (with --capacity, --tight-s and --loose-s from a full run)",
+    )  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="tiny model, 15 s runs, 128 tokens")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -432,13 +440,16 @@ def main() -> None:
     }
     points: dict[str, list] = {}
     try:
-        log("capacity")
-        server = start_server(args, sink, "fcfs")
-        try:
-            capacity(args, server.url, batches=1)  # warm-up (first steps, kernels)
-            cap = capacity(args, server.url)
-        finally:
-            server.stop()
+        if args.capacity:
+            cap = args.capacity
+        else:
+            log("capacity")
+            server = start_server(args, sink, "fcfs")
+            try:
+                capacity(args, server.url, batches=1)  # warm-up (first steps, kernels)
+                cap = capacity(args, server.url)
+            finally:
+                server.stop()
         record["capacity_req_per_s"] = round(cap, 3)
         args.max_queue_len = args.max_queue_len or max(
             2 * args.max_num_seqs, round(cap * args.queue_s)
@@ -449,6 +460,11 @@ def main() -> None:
             max_queue_len=args.max_queue_len, duration=round(args.duration, 1), drain_s=args.drain_s
         )
         log(f"capacity {cap:.2f} req/s; queue {args.max_queue_len}, {args.duration:.0f} s runs")
+        if args.goodput_only:
+            if not (args.tight_s and args.loose_s):
+                ap.error("--goodput-only needs --tight-s and --loose-s (a full run's)")
+            goodput_runs(args, sink, cap, record)
+            return finish(args, record, points)
         log("fcfs server: B alone, the flood under fcfs, goodput without deadlines")
         server = start_server(args, sink, "fcfs")
         try:
@@ -463,10 +479,6 @@ def main() -> None:
                 args, server, sink, flood_plans(args, cap, with_a=True)
             )
             log(f"flood fcfs: B {record['flood_fcfs']['B']}")
-            record["goodput_fcfs"] = goodput_run(
-                args, server, sink, goodput_plans(args, cap, False)
-            )
-            log(f"goodput fcfs: {record['goodput_fcfs']}")
         finally:
             server.stop()
         log("fair server: B alone, the flood under fair")
@@ -489,32 +501,48 @@ def main() -> None:
             )
         finally:
             server.stop()
-        log("deadline server: goodput with deadlines sent")
-        server = start_server(args, sink, "deadline")
-        try:
-            capacity(args, server.url, batches=1)  # warm-up
-            record["goodput_deadline"] = goodput_run(
-                args, server, sink, goodput_plans(args, cap, True)
-            )
-            log(f"goodput deadline: {record['goodput_deadline']}")
-        finally:
-            server.stop()
+        goodput_runs(args, sink, cap, record)
     finally:
         sink.close()
+    finish(args, record, points)
+
+
+def goodput_runs(args: argparse.Namespace, sink: SpanSink, cap: float, record: dict) -> None:
+    """The same arrivals and deadlines three times: fcfs without deadline handling (no
+    header; the client judges), fcfs with the deadlines sent (drops before compute, arrival
+    order), deadline (drops, earliest deadline first)."""
+    arms = (("goodput_fcfs", "fcfs", False), ("goodput_fcfs_deadlines", "fcfs", True),
+            ("goodput_deadline", "deadline", True))  # fmt: skip
+    for name, policy, send in arms:
+        log(f"{policy} server: goodput, deadlines {'sent' if send else 'not sent'}")
+        server = start_server(args, sink, policy)
+        try:
+            capacity(args, server.url, batches=1)  # warm-up
+            record[name] = goodput_run(args, server, sink, goodput_plans(args, cap, send))
+            log(f"{name}: {record[name]}")
+        finally:
+            server.stop()
+
+
+def finish(args: argparse.Namespace, record: dict, points: dict) -> None:
     record["goals"] = goals(record)
     print(json.dumps(record["goals"], indent=2))
     if not args.no_write:
         write_jsonl(RESULTS_DIR / "tenants.jsonl", record)
-        title = (f"{args.model}, A at 5x capacity ({record['capacity_req_per_s']} req/s), "
-                 f"B at 20 %, {record['date'][:16]}")  # fmt: skip
-        plot(points, RESULTS_DIR / "tenants_ttft.png", title)
-        log("appended to bench/results/tenants.jsonl; plot bench/results/tenants_ttft.png")
+        log("appended to bench/results/tenants.jsonl")
+        if points:
+            title = (f"{args.model}, A at 5x capacity ({record['capacity_req_per_s']} req/s), "
+                     f"B at 20 %, {record['date'][:16]}")  # fmt: skip
+            plot(points, RESULTS_DIR / "tenants_ttft.png", title)
+            log("plot bench/results/tenants_ttft.png")
 
 
 def goals(r: dict) -> dict:
     """The issue's goals, each as the figure, the bar and whether it was met."""
     out: dict[str, Any] = {}
     for name in ("flood_fair", "flood_fair_preempt", "flood_fcfs"):
+        if name not in r:
+            continue
         run = r[name]
         step = (run["mean_step_ms"] or 0) / 1000
         b = run["B"]
@@ -534,15 +562,17 @@ def goals(r: dict) -> dict:
             ),
             "preemptions": run["preemptions"],
         }  # fmt: skip
-    fair, fcfs = r["flood_fair"]["B"], r["flood_fcfs"]["B"]
-    if fair["ttft_p99_s"] and fcfs["ttft_p99_s"]:
-        out["B_ttft_p99_fcfs_over_fair"] = round(fcfs["ttft_p99_s"] / fair["ttft_p99_s"], 2)
+    if "flood_fair" in r:
+        fair, fcfs = r["flood_fair"]["B"], r["flood_fcfs"]["B"]
+        if fair["ttft_p99_s"] and fcfs["ttft_p99_s"]:
+            out["B_ttft_p99_fcfs_over_fair"] = round(fcfs["ttft_p99_s"] / fair["ttft_p99_s"], 2)
     gd, gf = r["goodput_deadline"], r["goodput_fcfs"]
-    out["goodput_deadline_over_fcfs"] = (
-        round(gd["goodput_req_per_s"] / gf["goodput_req_per_s"], 2)
-        if gf["goodput_req_per_s"]
-        else None
-    )
+    for name in ("goodput_deadline", "goodput_fcfs_deadlines"):
+        out[f"{name}_over_fcfs"] = (
+            round(r[name]["goodput_req_per_s"] / gf["goodput_req_per_s"], 2)
+            if gf["goodput_req_per_s"]
+            else None
+        )
     out["expired_in_queue"] = gd["expired_in_queue"]
     out["expired_in_queue_with_compute"] = gd["expired_in_queue_scheduled_or_tokens"]
     return out

@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/peers/setup_llamacpp.py
 	$(BIN)/python bench/serving_llamacpp.py
 	$(BIN)/python bench/embeddings.py
+	$(BIN)/python bench/tenants.py
 	$(BIN)/python bench/plot.py --update-docs
 
 # Regenerates the committed gRPC stubs (tests/serving/test_grpc_proto.py checks they are in sync).

@@ -8,11 +8,18 @@ Two scenarios, both with a fake runner that samples token 7 for every request th
   are chunked into the rest of a 2,048-token budget; requests finish after 32-96 tokens and
   new ones arrive to keep the mix steady.
 
+Each runs twice more under the `fair` policy, with the requests spread over 8 tenants of
+different weights and every request carrying a deadline (the counter charges, the per-tenant
+queues and the deadline heap all in play), and a third scenario puts a flood in the queue:
+
+- flood: 128 running decodes (4 tenants) and 512 waiting requests of one tenant beside a
+  trickle from three others, under fcfs and fair (admission picks a tenant per request).
+
 Timed per step: `schedule()` + `update_from_output()` (+ the `add_request` calls of the mix),
 as this thread's CPU time (the cores are shared; wall time is reported beside it). Building
 the fake runner output is not timed. Prints the median over repeats of µs per step and µs per
-running request per step (goal: <= 10), and appends one JSON line to
-bench/results/scheduler_overhead.jsonl.
+running request per step (goal: <= 10), the fair / fcfs ratio of each pair (same
+invocation), and appends one JSON line to bench/results/scheduler_overhead.jsonl.
 
     python bench/scheduler_overhead.py [--repeats 7] [--steps 200]
 """
@@ -36,6 +43,7 @@ if str(ROOT) not in sys.path:
 
 from engine.config import SchedulerConfig  # noqa: E402
 from engine.core.kv_cache.manager import KVCacheManager  # noqa: E402
+from engine.core.policy.tenant import Tenant  # noqa: E402
 from engine.core.request import Request  # noqa: E402
 from engine.core.scheduler import Scheduler  # noqa: E402
 from engine.core.step_io import RunnerOutput, SchedulerOutput  # noqa: E402
@@ -57,28 +65,52 @@ def fake_runner_output(sched: Scheduler, so: SchedulerOutput) -> RunnerOutput:
     return RunnerOutput(req_ids=ids, sampled_token_ids=[[7] for _ in ids])
 
 
-class Scenario:
-    """One scheduler with its own KV pool and request stream."""
+# The fair variants' tenants: weights 1..8, requests assigned round-robin.
+TENANTS = tuple(Tenant(f"t{i}", weight=float(i + 1)) for i in range(8))
 
-    def __init__(self, name: str, num_blocks: int, max_num_seqs: int, budget: int, seed: int):
+
+class Scenario:
+    """One scheduler with its own KV pool and request stream; `fair`: the fair policy, the
+    requests spread over `TENANTS`, each with a deadline an hour away."""
+
+    def __init__(
+        self,
+        name: str,
+        num_blocks: int,
+        max_num_seqs: int,
+        budget: int,
+        seed: int,
+        fair: bool = False,
+    ):
         self.name = name
         cfg = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_queue_len=100_000
-        )
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_queue_len=100_000,
+            policy="fair" if fair else "fcfs",
+        )  # fmt: skip
         self.sched = Scheduler(cfg, KVCacheManager(num_blocks, BLOCK_SIZE), MAX_MODEL_LEN)
         self.rng = random.Random(seed)
         self.next_id = 0
+        self.fair = fair
 
-    def make_request(self, prompt_len: int, max_tokens: int) -> Request:
+    def make_request(
+        self, prompt_len: int, max_tokens: int, tenant: Tenant | None = None
+    ) -> Request:
         """The engine's side of an arrival (not timed): a request with a unique prompt."""
         rid = f"{self.name}-{self.next_id}"
         self.next_id += 1
         base = self.next_id * 10_000
         prompt = list(range(base, base + prompt_len))  # unique: no prefix hits
-        return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        deadline = None
+        if self.fair:
+            tenant = tenant or TENANTS[self.next_id % len(TENANTS)]
+            deadline = time.monotonic() + 3600.0
+        return Request(
+            rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            tenant=tenant, deadline=deadline,
+        )  # fmt: skip
 
-    def add(self, prompt_len: int, max_tokens: int) -> None:
-        self.sched.add_request(self.make_request(prompt_len, max_tokens))
+    def add(self, prompt_len: int, max_tokens: int, tenant: Tenant | None = None) -> None:
+        self.sched.add_request(self.make_request(prompt_len, max_tokens, tenant))
 
     def arrivals(self) -> list[Request]:
         """Requests arriving before this step (none in steady-state decode)."""
@@ -105,8 +137,8 @@ class Scenario:
 
 
 class DecodeScenario(Scenario):
-    def __init__(self, num_requests: int = 256, prompt_len: int = 128):
-        super().__init__("decode", 256 * 64, num_requests, 8192, seed=0)
+    def __init__(self, num_requests: int = 256, prompt_len: int = 128, fair: bool = False):
+        super().__init__("decode", 256 * 64, num_requests, 8192, seed=0, fair=fair)
         for _ in range(num_requests):
             self.add(prompt_len, MAX_MODEL_LEN - prompt_len)
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in self.sched.running) or (
@@ -116,8 +148,8 @@ class DecodeScenario(Scenario):
 
 
 class PrefillMixScenario(Scenario):
-    def __init__(self, num_decodes: int = 128):
-        super().__init__("prefill-mix", 8192, 256, 2048, seed=1)
+    def __init__(self, num_decodes: int = 128, fair: bool = False):
+        super().__init__("prefill-mix", 8192, 256, 2048, seed=1, fair=fair)
         self.num_decodes = num_decodes
         for _ in range(num_decodes):
             self.add(self.rng.randint(64, 512), self.rng.randint(32, 96))
@@ -133,6 +165,33 @@ class PrefillMixScenario(Scenario):
         ]
         if sched.num_waiting == 0:
             new.append(self.make_request(rng.randint(1000, 3000), rng.randint(32, 96)))
+        return new
+
+
+class FloodScenario(Scenario):
+    """128 decodes running (4 tenants); one tenant keeps 512 requests waiting, three others
+    a trickle: admission picks a tenant for every seat that frees."""
+
+    FLOOD = Tenant("flood")
+    OTHERS = (Tenant("a", weight=2.0), Tenant("b"), Tenant("c", weight=4.0))
+
+    def __init__(self, fair: bool = False):
+        super().__init__("flood", 16384, 128, 2048, seed=2, fair=fair)
+        for i in range(128):
+            self.add(self.rng.randint(64, 256), self.rng.randint(16, 64), self.OTHERS[i % 3])
+        for _ in range(512):
+            self.add(self.rng.randint(64, 256), self.rng.randint(16, 64), self.FLOOD)
+        for _ in range(30):
+            self.step()
+
+    def arrivals(self) -> list[Request]:
+        sched, rng = self.sched, self.rng
+        new = [
+            self.make_request(rng.randint(64, 256), rng.randint(16, 64), self.FLOOD)
+            for _ in range(max(0, 512 - sched.waiting.num_queued("flood")))
+        ]
+        if rng.random() < 0.5:
+            new.append(self.make_request(rng.randint(64, 256), 32, rng.choice(self.OTHERS)))
         return new
 
 
@@ -208,6 +267,21 @@ def main() -> None:
     figures = {
         "decode_256": measure(DecodeScenario, args.steps, args.repeats),
         "prefill_mix": measure(PrefillMixScenario, args.steps, args.repeats),
+        "decode_256_fair": measure(lambda: DecodeScenario(fair=True), args.steps, args.repeats),
+        "prefill_mix_fair": measure(
+            lambda: PrefillMixScenario(fair=True), args.steps, args.repeats
+        ),
+        "flood_fcfs": measure(FloodScenario, args.steps, args.repeats),
+        "flood_fair": measure(lambda: FloodScenario(fair=True), args.steps, args.repeats),
+    }
+    ratios = {
+        "decode_256": ("decode_256_fair", "decode_256"),
+        "prefill_mix": ("prefill_mix_fair", "prefill_mix"),
+        "flood": ("flood_fair", "flood_fcfs"),
+    }
+    fair_over_fcfs = {
+        k: round(figures[a]["us_per_running_request"] / figures[b]["us_per_running_request"], 3)
+        for k, (a, b) in ratios.items()
     }
     for name, f in figures.items():
         print(
@@ -226,7 +300,9 @@ def main() -> None:
         "steps": args.steps,
         "repeats": args.repeats,
         "figures": figures,
+        "fair_over_fcfs_us_per_request": fair_over_fcfs,
     }
+    print("fair / fcfs, µs per running request:", fair_over_fcfs)
     if not args.no_save:
         out = ROOT / "bench" / "results" / "scheduler_overhead.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)

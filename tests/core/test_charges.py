@@ -141,3 +141,31 @@ def test_the_scheduler_charges_what_it_schedules():
     charged.add_request(make_request("b", shared + [1, 2, 3, 4], 1))
     step(charged)
     assert charged.policy.counter.value("default") == 22 + 16
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_running_batchs_fast_path_charges_what_charge_scheduled_does(recompute):
+    """`charge_running` inlines the decode case for the hot path: for decodes, prompt chunks
+    and recompute alike it must leave every counter and charge mark where `charge_scheduled`
+    leaves them (a fast path that drifted from the one rule would fail here)."""
+    tenants = (Tenant("a", weight=1), Tenant("b", weight=3))
+
+    def batch() -> list:
+        reqs = []
+        for i, (computed, charged) in enumerate(
+            [(10, 10), (14, 14), (0, 0), (6, 6), (4, 12), (12, 15)]
+        ):  # decodes, a first chunk, a later chunk, recompute inside and past the prompt
+            r = make_request(f"r{i}", 10, 16, tenant=tenants[i % 2])
+            r.num_computed_tokens, r.num_charged_tokens = computed, charged
+            reqs.append(r)
+        return reqs
+
+    n = {f"r{i}": k for i, k in enumerate([1, 1, 6, 4, 3, 2])}
+    fast, slow = _counter(recompute=recompute), _counter(recompute=recompute)
+    fast_reqs, slow_reqs = batch(), batch()
+    fast.charge_running(fast_reqs, n)
+    for r in slow_reqs:
+        slow.charge_scheduled(r, r.num_computed_tokens, n[r.request_id])
+    assert fast.snapshot() == pytest.approx(slow.snapshot())
+    assert [r.num_charged_tokens for r in fast_reqs] == [r.num_charged_tokens for r in slow_reqs]
+    assert fast.value("a") > 0 and fast.value("b") > 0

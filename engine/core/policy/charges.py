@@ -3,9 +3,10 @@
 The fair policies (`fair`, `deadline`) keep one counter per tenant (`fair_share`) and charge
 it, in weighted tokens, for the work the engine does for that tenant's requests. Which work
 counts is configuration (`scheduler.charge_*`, defaults below); `ChargeRules.cost` is the
-only place that turns token counts into a charge, so a feature that changes what a step
-computes (speculative decoding, a KV tier, embeddings) calls the counter's hooks and never
-writes its own arithmetic.
+only place that turns token counts into a charge (the counter's hot path inlines its plain
+case, fresh tokens times their weight; tests/core/test_charges.py pins the two equal), so a
+feature that changes what a step computes (speculative decoding, a KV tier, embeddings)
+calls the counter's hooks and never writes its own arithmetic.
 
 What is counted, per request:
 - input tokens: prompt positions whose K/V the engine computes (`charge_input_token` each);

@@ -94,6 +94,23 @@ class VirtualTokenCounter:
             )
         self._add(req, cost)
 
+    def charge_running(self, running: list[Request], num_scheduled: dict[str, int]) -> None:
+        """`charge_scheduled` for every request of the step's running batch (each from its
+        `num_computed_tokens`), inlined for the decode hot path: a request past its prompt
+        with nothing to recompute costs `charge_output_token` per token, anything else
+        takes the general rule."""
+        w_out = self.rules.output_token
+        counters = self._counters
+        for r in running:
+            n = num_scheduled[r.request_id]
+            start = r.num_computed_tokens
+            if start >= r.num_charged_tokens and start >= len(r.prompt_token_ids):
+                r.num_charged_tokens = start + n
+                t = r.tenant
+                counters[t.name] = counters.get(t.name, 0.0) + n * w_out / t.weight
+            else:
+                self.charge_scheduled(r, start, n)
+
     def charge_cache_hits(self, req: Request, upto: int, *, tier: bool = False) -> None:
         """Prompt positions [req.num_charged_tokens, upto) were served from the prefix cache
         (a forked sample's shared prompt included) or, with `tier`, loaded from a KV tier,

@@ -98,15 +98,12 @@ class SchedulingPolicy:
                 counter.charge_cache_hits(request, start)
             counter.charge_scheduled(request, start, n)
 
-    def charge_running(self, running: list[Request], num_scheduled: Mapping[str, int]) -> None:
+    def charge_running(self, running: list[Request], num_scheduled: dict[str, int]) -> None:
         """The running requests scheduled this step (before any admission, and before their
         `num_computed_tokens` advance): a flooding tenant's decodes raise its counter before
         a tenant that just arrived, lifted to it, competes for a seat."""
-        counter = self.counter
-        if counter is not None:
-            charge = counter.charge_scheduled
-            for r in running:
-                charge(r, r.num_computed_tokens, num_scheduled[r.request_id])
+        if self.counter is not None:
+            self.counter.charge_running(running, num_scheduled)
 
     # ---- preemption and finishing ----------------------------------------------------------
     def pick_victim(self, running: list[Request]) -> int:

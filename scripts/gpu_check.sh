@@ -137,7 +137,7 @@ fi
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 WORK=$(mktemp -d /tmp/gpu_check_work.XXXXXX)
 LOG=$OUT/gpu_check.log
-BUDGET=${GPU_CHECK_BUDGET:-$([ -n "$DRY" ] && echo 170 || echo 400)}
+BUDGET=${GPU_CHECK_BUDGET:-$([ -n "$DRY" ] && echo 210 || echo 400)}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MAX_JOBS=${MAX_JOBS:-16}

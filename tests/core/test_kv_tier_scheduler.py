@@ -77,6 +77,26 @@ def test_a_held_block_is_not_reallocated_before_its_copy():
     assert sorted(so.scheduled_new_reqs[0].block_ids) == [0, 1, 2, 3]
 
 
+def test_a_pool_hit_on_blocks_held_for_saving_costs_no_free_block():
+    # Held blocks are out of the free queue: touching them takes nothing from it, so a
+    # request needing exactly the free blocks besides its hits must still fit.
+    sched = tier_scheduler(num_blocks=4)
+    worker = FakeTierWorker(hold_copies=True)
+    sched.add_request(req("a", PREFIX + [1]))
+    tier_step(sched, worker)  # blocks 0, 1 held for saving; 2, 3 free
+    pool = sched.kv_manager.pool
+    assert pool.num_free_blocks == 2 and pool.num_held_for_save == 2
+    sched.add_request(req("b", PREFIX + list(range(1, 9))))  # hits 0, 1; needs 2 new
+    so, _ = tier_step(sched, worker)
+    assert so.num_scheduled_tokens == {"b": 8}
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == 8 and new.block_ids[:2] == [0, 1]
+    worker.hold_copies = False
+    worker.release()
+    run_until_idle(sched, worker)
+    assert pool.num_free_blocks == 4 and pool.num_held_for_save == 0
+
+
 def test_a_block_the_tier_already_holds_is_not_saved_again():
     sched = tier_scheduler(num_blocks=8)
     worker = FakeTierWorker()

@@ -191,7 +191,9 @@ class KVCacheManager:
                 )
             hit_blocks = [pool.blocks[i] for i in new_computed_blocks]
             self._check_hits(st, hit_blocks)
-            num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+            # A free hit leaves the free queue when touched; one held for a tier's save is
+            # not in it (engine/core/kv_tier), so it costs no free block.
+            num_evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.save_pending)
 
         start = request.num_computed_tokens + len(hit_blocks) * bs
         end = start + num_new_tokens

@@ -14,7 +14,18 @@ import pytest
 import bench.gpu_decode as gpu_decode
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ["setup", "jit", "backend", "graphs", "fidelity", "served", "kv", "decode", "fp8", "kvtier"]
+PHASES = [
+    "setup",
+    "jit",
+    "backend",
+    "graphs",
+    "fidelity",
+    "served",
+    "kv",
+    "decode",
+    "fp8",
+    "kvtier",
+]
 
 
 def _check(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:

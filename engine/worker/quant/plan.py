@@ -69,6 +69,7 @@ def resolve_plan(
     `gguf_quantized`: the checkpoint is a GGUF with at least one quantized 2-D tensor."""
     if requested not in METHODS:
         raise ConfigError("model.quantization", f"must be one of {', '.join(METHODS)}")
+    refuse_prequantized(hf_config)
     if requested == "fp8":
         from engine.worker.quant.fp8 import check_fp8_device
 
@@ -88,6 +89,27 @@ def resolve_plan(
         return QuantPlan("int4", blocks=True, layers=Q4, head=Q8, group=group)
     _check_widths(hf_config, BLOCK, "model.quantization")
     return QuantPlan("int8", blocks=True, layers=Q8, head=Q8)
+
+
+def refuse_prequantized(hf_config: Any) -> None:
+    """An HF checkpoint that carries a `quantization_config` (AWQ, GPTQ, compressed-tensors,
+    bitsandbytes, ...) holds packed tensors no loader here reads yet: refused at start,
+    naming its method, bits and group size, instead of failing later on its tensor names
+    or being read as float weights. (A GGUF's converted config has none: the loader drops
+    the one transformers writes.)"""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return
+    qc = qc if isinstance(qc, dict) else getattr(qc, "to_dict", lambda: vars(qc))()
+    method = qc.get("quant_method", "unknown")
+    detail = ", ".join(f"{k} {qc[k]}" for k in ("bits", "group_size", "desc_act") if k in qc)
+    raise ConfigError(
+        "model.path",
+        f"the checkpoint is pre-quantized (quantization_config: quant_method {method}"
+        + (f", {detail}" if detail else "")
+        + "); such checkpoints are not loaded yet (docs/quantization.md): use its float or "
+        "GGUF release, or a float checkpoint with model.quantization int8 / int4",
+    )
 
 
 def _check_group(group: int, hf_config: Any) -> None:

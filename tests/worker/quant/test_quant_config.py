@@ -47,6 +47,34 @@ def test_int4_group_that_does_not_divide_the_hidden_size_is_refused(tiny_llama_d
         load_model(cfg, CPU)
 
 
+@pytest.mark.parametrize(
+    ("qc", "named"),
+    [
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
+         r"quant_method awq, bits 4, group_size 128"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 64, "desc_act": True},
+         r"quant_method gptq, bits 3, group_size 64, desc_act True"),
+        ({"quant_method": "compressed-tensors", "format": "int-quantized"},
+         r"quant_method compressed-tensors\)"),
+    ],
+)  # fmt: skip
+def test_prequantized_hf_checkpoint_is_refused_at_start_naming_its_method(
+    tiny_llama_dir, tmp_path, qc, named
+):
+    """Its packed tensors are never read as float weights, under any model.quantization."""
+    import json
+    import shutil
+
+    ckpt = tmp_path / "prequantized"
+    shutil.copytree(tiny_llama_dir, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = qc
+    (ckpt / "config.json").write_text(json.dumps(config))
+    for method in ("auto", "none", "int8"):
+        with pytest.raises(ConfigError, match=rf"^model\.path: .*pre-quantized.*{named}"):
+            load_model(ModelConfig(path=str(ckpt), quantization=method), CPU)
+
+
 def test_gguf_tensor_type_without_a_kernel_is_refused_naming_tensor_and_type(
     tiny_llama_dir, tmp_path, monkeypatch
 ):

@@ -144,7 +144,16 @@ def parse_set(text: str) -> tuple[str, Any]:
         parsed = yaml.safe_load(value) if value.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(key.strip(), f"value {value!r} is not valid YAML: {e}") from None
-    return key.strip(), parsed
+    return key.strip(), _plain_word(value, parsed)
+
+
+def _plain_word(raw: str, parsed: Any) -> Any:
+    """A one-word value YAML reads as a mapping only because of its colons (`:memory:`,
+    SQLite's in-memory store) is the string typed: a mapping on the command line is written
+    `{k: v}` or `k: v`, both with a space or a brace."""
+    if isinstance(parsed, dict) and not any(c in raw for c in " {\t"):
+        return raw.strip()
+    return parsed
 
 
 def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
@@ -158,7 +167,7 @@ def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any, str]]:
             value = yaml.safe_load(environ[name]) if environ[name].strip() else None
         except yaml.YAMLError as e:
             raise ConfigError(dotted, f"{name} is not valid YAML: {e}") from None
-        out.append((dotted, value, name))
+        out.append((dotted, _plain_word(environ[name], value), name))
     return out
 
 

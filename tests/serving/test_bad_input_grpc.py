@@ -379,7 +379,7 @@ def test_unknown_method_is_unimplemented(harness) -> None:
 
     async def main() -> tuple:
         async with h.channel() as ch:
-            return await _status(ch.unary_unary("/appliance.v1.Appliance/Embed")(b""))
+            return await _status(ch.unary_unary("/appliance.v1.Appliance/NoSuchMethod")(b""))
 
     assert h.run(main())[0] == grpc.StatusCode.UNIMPLEMENTED
 

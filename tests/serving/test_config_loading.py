@@ -93,6 +93,17 @@ def test_set_values_are_yaml_parsed():
     assert cfg.telemetry.otlp_headers == {"authorization": "Bearer x"}
 
 
+def test_a_word_with_colons_is_the_string_typed_not_a_mapping():
+    """`:memory:` (SQLite's in-memory store) reads as a YAML mapping; on the command line
+    and in the environment it is the word typed, while `{k: v}` and `k: v` stay mappings."""
+    env = {"APPLIANCE_RESPONSES__STORE_PATH": ":memory:"}
+    assert load_config(None, [], env).responses.store_path == ":memory:"
+    cfg = load_config(overrides=["responses.store_path=:memory:"])
+    assert cfg.responses.store_path == ":memory:"
+    cfg = load_config(overrides=["telemetry.otlp_headers={a: b}"])
+    assert cfg.telemetry.otlp_headers == {"a": "b"}
+
+
 def test_config_file_from_environment(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("server: {http_port: 9001}\n")

@@ -49,10 +49,22 @@ _BODIES: dict[str, dict] = {
     "/v1/chat/completions/render": {"messages": [{"role": "user", "content": "hi"}]},
     "/v1/load_lora_adapter": {"lora_name": "x", "lora_path": "/etc"},
     "/v1/unload_lora_adapter": {"lora_name": "x"},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 16, "store": False},
+    "/v1/responses/input_tokens": {"input": "hi"},
+    "/v1/embeddings": {"input": "hi"},
 }
 # What a good key gets from the adapter routes (runtime updates on, nothing loaded): a path
 # outside lora.allowed_dirs, an adapter that is not there.
-_GOOD_STATUS = {"/v1/load_lora_adapter": 403, "/v1/unload_lora_adapter": 404}
+# A stored response that is not there; embeddings from a generation model (a 400 naming its
+# task).
+_GOOD_STATUS = {
+    "/v1/load_lora_adapter": 403,
+    "/v1/unload_lora_adapter": 404,
+    "/v1/responses/{response_id}": 404,
+    "/v1/responses/{response_id}/cancel": 404,
+    "/v1/responses/{response_id}/input_items": 404,
+    "/v1/embeddings": 400,
+}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +83,7 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def _route_path(path: str) -> str:
-    return path.replace("{model}", "tiny")
+    return path.replace("{model}", "tiny").replace("{response_id}", "resp_missing")
 
 
 # ---- HTTP keys ---------------------------------------------------------------------------------

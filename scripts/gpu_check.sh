@@ -20,6 +20,8 @@
 #   served   appliance serve on the device: health, streamed chat, gRPC stream
 #   kv       KV sizing at 0.9 with 256 sequences, an OOM-free top-p step (Llama-3-8B shape)
 #   decode   decode tok/s at batch 1/8/64/256, context 512, eager vs graphs (Llama-3-8B shape)
+#   spec     speculative decoding (n-gram, draft model): verify steps on FlashInfer's prefill
+#            plan, eager beside the decode graphs; greedy equal to no speculation (bench/gpu_spec.py)
 # Output: $OUT/gpu_check.log (everything, as it happens) and $OUT/gpu_check.json (per phase:
 # status, exit code, seconds, results). Exit status 1 if any phase failed or timed out.
 set -uo pipefail
@@ -29,9 +31,9 @@ WHEELS=("flashinfer-python==0.7.2.post1" "apache-tvm-ffi==0.1.15.post2")
 CARRY=.gpu
 SITE=/tmp/gpu_site
 PY=${PY:-python3}
-ALL_PHASES=(setup jit backend graphs fidelity served kv decode)
+ALL_PHASES=(setup jit backend graphs fidelity served kv decode spec)
 declare -A LIMIT=([setup]=60 [jit]=200 [backend]=90 [graphs]=90 [fidelity]=90 [served]=120
-                  [kv]=120 [decode]=120)
+                  [kv]=120 [decode]=120 [spec]=120)
 # pytest phases: a -k selection of tests/worker/test_gpu.py (the dry run checks it selects some)
 declare -A TESTS=([backend]="(flashinfer_matches and not 24) or start_up_probe" [graphs]="graph_replays"
                   [fidelity]="transformers or picks_flashinfer")
@@ -86,6 +88,8 @@ phase_cmd() {  # the command of phase $1 (dry run: the CPU variant)
             "${collect[*]} -k '${TESTS[$p]}'"
     elif [ "$p" = decode ]; then
         echo "$PY bench/gpu_decode.py --out $WORK/decode.json ${DRY:+--smoke --device cpu}"
+    elif [ "$p" = spec ]; then
+        echo "$PY bench/gpu_spec.py --work $WORK $DRY"
     else
         echo "$PY bench/gpu_phases.py $p --work $WORK $DRY"
     fi

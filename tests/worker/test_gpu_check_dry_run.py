@@ -14,7 +14,7 @@ import pytest
 import bench.gpu_decode as gpu_decode
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ["setup", "jit", "backend", "graphs", "fidelity", "served", "kv", "decode"]
+PHASES = ["setup", "jit", "backend", "graphs", "fidelity", "served", "kv", "decode", "spec"]
 
 
 def _check(out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -38,6 +38,8 @@ def test_dry_run_passes_every_phase_and_reports_each(tmp_path):
     assert res["kv"]["top_p_step"].startswith("ok")
     assert {"decode_eager_b1", "decode_graphs_b4"} <= set(res["decode"])
     assert "errors" not in res["decode"]
+    assert res["spec"]["ngram"]["equal"] == res["spec"]["ngram"]["of"] == 16
+    assert res["spec"]["draft"]["accepted"] > 0
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"phase {p}: exit 0" in log for p in PHASES)
 

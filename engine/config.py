@@ -338,7 +338,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     # A step's cost that does not grow with its tokens (weight reads, launch overheads), in
     # units of one more token's compute: what the adaptive rule weighs an extra verified
-    # token against. bench/spec_decode.py --measure-cost measures it for a machine.
+    # token against. bench/spec_cost.py measures it for a machine.
     step_fixed_cost_tokens: float = 32.0
     # suffix: longest context suffix matched; recent requests' outputs kept (0: only the
     # request's own tokens); a continuation token is proposed while its share of the

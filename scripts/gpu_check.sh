@@ -21,6 +21,8 @@
 #   served   appliance serve on the device: health, streamed chat, gRPC stream
 #   kv       KV sizing at 0.9 with 256 sequences, an OOM-free top-p step (Llama-3-8B shape)
 #   decode   decode tok/s at batch 1/8/64/256, context 512, eager vs graphs (Llama-3-8B shape)
+#   spec     speculative decoding (n-gram, draft model): verify steps on FlashInfer's prefill
+#            plan, eager beside the decode graphs; greedy equal to no speculation (bench/gpu_spec.py)
 #   kvtier   tests/worker/test_gpu.py: KV tier copy stream + pinned buffers, greedy unchanged
 #            with host + disk tiers (issue 30; last, so it displaces no older phase)
 # Output: $OUT/gpu_check.log (everything, as it happens) and $OUT/gpu_check.json (per phase:
@@ -32,9 +34,9 @@ WHEELS=("flashinfer-python==0.7.2.post1" "apache-tvm-ffi==0.1.15.post2")
 CARRY=.gpu
 SITE=/tmp/gpu_site
 PY=${PY:-python3}
-ALL_PHASES=(setup jit backend graphs fidelity served kv decode fp8 kvtier)
+ALL_PHASES=(setup jit backend graphs fidelity served kv decode fp8 spec kvtier)
 declare -A LIMIT=([setup]=60 [jit]=200 [backend]=90 [graphs]=90 [fidelity]=120 [served]=120
-                  [kv]=120 [decode]=120 [fp8]=150 [kvtier]=90)
+                  [kv]=120 [decode]=120 [fp8]=150 [spec]=120 [kvtier]=90)
 # pytest phases: a -k selection of tests/worker/test_gpu.py (the dry run checks it selects some)
 declare -A TESTS=([backend]="(flashinfer_matches and not 24) or start_up_probe" [graphs]="graph_replays"
                   [fidelity]="transformers or picks_flashinfer or embeddings_on_cuda" [kvtier]="kv_tier")
@@ -89,6 +91,8 @@ phase_cmd() {  # the command of phase $1 (dry run: the CPU variant)
             "${collect[*]} -k '${TESTS[$p]}'"
     elif [ "$p" = decode ]; then
         echo "$PY bench/gpu_decode.py --out $WORK/decode.json ${DRY:+--smoke --device cpu}"
+    elif [ "$p" = spec ]; then
+        echo "$PY bench/gpu_spec.py --work $WORK $DRY"
     else
         echo "$PY bench/gpu_phases.py $p --work $WORK $DRY"
     fi

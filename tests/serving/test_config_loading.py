@@ -137,6 +137,9 @@ def test_env_without_double_underscore_is_ignored():
         ("telemetry.sampling_ratio=2", "telemetry.sampling_ratio", "[0, 1]"),
         ("telemetry.log_level=loud", "telemetry.log_level", "must be one of"),
         ("model.dtype=int3", "model.dtype", "must be one of"),
+        ("speculative.method=eagle", "speculative.method", "must be one of"),
+        ("speculative.num_speculative_tokens=0", "speculative.num_speculative_tokens", "[1, 16]"),
+        ("speculative.suffix_min_token_prob=2", "speculative.suffix_min_token_prob", "[0, 1]"),
         ("scheduler", "scheduler", "section.key=value"),
     ],
 )

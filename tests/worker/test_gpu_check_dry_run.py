@@ -24,6 +24,7 @@ PHASES = [
     "kv",
     "decode",
     "fp8",
+    "spec",
     "kvtier",
 ]
 
@@ -49,6 +50,8 @@ def test_dry_run_passes_every_phase_and_reports_each(tmp_path):
     assert res["kv"]["top_p_step"].startswith("ok")
     assert {"decode_eager_b1", "decode_graphs_b4"} <= set(res["decode"])
     assert "errors" not in res["decode"]
+    assert res["spec"]["ngram"]["equal"] == res["spec"]["ngram"]["of"] == 16
+    assert res["spec"]["draft"]["accepted"] > 0
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"phase {p}: exit 0" in log for p in PHASES)
 

@@ -222,7 +222,9 @@ def test_quantized_gguf_loads_like_transformers_reads_it(tiny_llama_dir, tmp_pat
     from transformers import AutoModelForCausalLM
 
     gguf_file = make_tiny_gguf(tiny_llama_dir, tmp_path / "tiny-q8.gguf", quantize_q8=True)
-    loaded = load_model(ModelConfig(path=str(gguf_file)), CPU)
+    # Dequantized (`quantization: none`): the same float32 weights transformers reads, so
+    # the logits agree to rounding. Kept in blocks (the default) is tests/worker/quant's.
+    loaded = load_model(ModelConfig(path=str(gguf_file), quantization="none"), CPU)
     reference = AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=gguf_file.name, dtype=torch.float32
     )

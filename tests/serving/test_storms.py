@@ -182,7 +182,11 @@ class AbortClock:
         aeng.abort = asked  # type: ignore[method-assign]
 
     def _on_finish(self, f: FinishedRequest) -> None:  # engine thread
-        if f.finish_reason == "abort":
+        # A gRPC deadline is the engine's deadline too (issue 31): when it passes the engine
+        # ends the request itself at its next step, which is as good as the abort that the
+        # server asks for as it answers DEADLINE_EXCEEDED (that one then finds nothing).
+        expired = f.metrics is not None and f.metrics.expired_time is not None
+        if f.finish_reason == "abort" or expired:
             self.aborted[f.request_id] = self.aeng.num_steps
 
     def vanish(self, request_id: str) -> None:

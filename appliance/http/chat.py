@@ -295,7 +295,7 @@ async def _stream(
         )  # fmt: skip
         async for _, delta in merged(streams):
             w.took(delta)
-            choices = []
+            choices, ends = [], []
             for c in delta.outputs:
                 lps = None
                 if req.logprobs and c.logprobs:
@@ -307,9 +307,23 @@ async def _stream(
                     p.dropped = 0
                 delta = _delta(piece) if piece else ChoiceDelta()
                 reason = _finish_reason(c.finish_reason, p.called)
+                if reason and piece is not None and piece.tool_calls:
+                    # The openai SDK's stream helper closes a call (its `arguments.done`)
+                    # when the next call or a finish chunk comes, and reads a chunk's finish
+                    # before its calls: a finish sent with the last call would leave that
+                    # call open. OpenAI sends the finish alone; so does this.
+                    choices.append(
+                        ChatChunkChoice(
+                            index=c.index, delta=delta, logprobs=lps, finish_reason=None
+                        )
+                    )
+                    delta, lps = ChoiceDelta(), None
+                    target = ends
+                else:
+                    target = choices
                 if delta.model_fields_set or reason or lps:
                     failed = {"error": convert.choice_error(c.error, map_param)} if c.error else {}
-                    choices.append(
+                    target.append(
                         ChatChunkChoice(
                             index=c.index,
                             delta=delta,
@@ -321,6 +335,8 @@ async def _stream(
                     )
             if choices:
                 yield w.chunk(choices)
+            if ends:
+                yield w.chunk(ends)
         final = streams[0].output()
         if w.include_usage:
             yield w.usage(convert.usage([final]))

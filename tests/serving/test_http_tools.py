@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -307,3 +308,17 @@ def test_a_streamed_answer_cut_by_length_never_sends_the_cut_call(tool_choice):
         assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == done_args
 
     run(fn, [THREE_CALLS])
+
+
+def test_dropped_cut_calls_are_counted_in_the_metrics():
+    """Before, a dropped call was only logged: no series counted it."""
+
+    async def fn(client, fake):
+        await _cut_request(client, "auto")
+        async for _ in await _cut_request(client, "required", stream=True):
+            pass
+        r = await client.with_options(base_url="http://t").get("/metrics", cast_to=httpx.Response)
+        return r.text
+
+    text = run(fn, [THREE_CALLS, THREE_CALLS])
+    assert 'appliance_tool_calls_dropped_total{finish_reason="length"} 2.0' in text, text

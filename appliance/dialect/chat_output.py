@@ -54,6 +54,12 @@ class ChatDialect:
     def tool_names(self) -> set[str]:
         return {t["function"]["name"] for t in self.tools or []}
 
+    def allowed_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """`parallel_tool_calls: false` means one call; a forced call's grammar allows only
+        one, but under `auto` nothing holds the model to it, so the first call is kept and
+        the rest left out, as vLLM does (issue 28, E15)."""
+        return calls if self.parallel else calls[:1]
+
     def reasoning_stream(self) -> ReasoningStream | None:
         """The splitter of one choice's text, None without a reasoning parser."""
         if self.reasoning_parser is None:
@@ -268,6 +274,7 @@ class ChoiceStream:
             cut,
         )
         self.dropped = parsed.dropped
+        parsed.tool_calls = self.dialect.allowed_calls(parsed.tool_calls)
         content = parsed.content or ""
         if content.startswith(self._sent_content):
             out.content += content[len(self._sent_content) :]
@@ -319,4 +326,5 @@ def parse_choice(dialect: ChatDialect, text: str, cut: bool = False) -> ChoiceRe
     if dialect.tool_parser is None:
         return ChoiceResult(reasoning, text, [])
     parsed = parse_tool_calls(text, dialect.tool_parser, dialect.tool_names, cut)
-    return ChoiceResult(reasoning, parsed.content, parsed.tool_calls, parsed.dropped)
+    calls = dialect.allowed_calls(parsed.tool_calls)
+    return ChoiceResult(reasoning, parsed.content, calls, parsed.dropped)

@@ -322,3 +322,26 @@ def test_dropped_cut_calls_are_counted_in_the_metrics():
 
     text = run(fn, [THREE_CALLS, THREE_CALLS])
     assert 'appliance_tool_calls_dropped_total{finish_reason="length"} 2.0' in text, text
+
+
+def test_parallel_tool_calls_false_under_auto_answers_one_call_streamed_and_not():
+    """Before, `auto` ignored `parallel_tool_calls: false`: both calls came back."""
+
+    async def fn(client, fake):
+        kw = dict(model="fake-model", messages=[{"role": "user", "content": "x"}],
+                  tools=TOOLS, parallel_tool_calls=False, max_tokens=500)  # fmt: skip
+        r = await client.chat.completions.create(**kw)
+        calls = r.choices[0].message.tool_calls
+        assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}]
+        assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+        indexes, args, reasons = set(), "", []
+        async for chunk in await client.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                reasons.append(ch.finish_reason)
+                for t in ch.delta.tool_calls or ():
+                    indexes.add(t.index)
+                    args += t.function.arguments or ""
+        assert indexes == {0} and json.loads(args) == {"city": "Paris"}, (indexes, args)
+        assert reasons[-1] == "tool_calls"
+
+    run(fn, [f"{CALL}\n{CALL_LYON}"] * 2)

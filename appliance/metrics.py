@@ -352,6 +352,15 @@ class ApplianceMetrics:
             ["route", "status"],
             registry=r,
         )
+        # A chat answer that ended inside a tool call: the cut call is left out (issue 28,
+        # E15). vLLM has no counterpart to borrow a name from; named like our counters.
+        self.tool_calls_dropped = Counter(
+            f"{PREFIX}_tool_calls_dropped",
+            "Tool calls cut short (by max_tokens, or an abort) and left out of a chat "
+            "answer, by the choice's finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
         # Embedding models: every request is one embedding input (prefill only).
         self._embeds = aeng.task == "embed"
         self.inference_time = Histogram(

@@ -54,6 +54,12 @@ class ChatDialect:
     def tool_names(self) -> set[str]:
         return {t["function"]["name"] for t in self.tools or []}
 
+    def allowed_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """`parallel_tool_calls: false` means one call; a forced call's grammar allows only
+        one, but under `auto` nothing holds the model to it, so the first call is kept and
+        the rest left out, as vLLM does (issue 28, E15)."""
+        return calls if self.parallel else calls[:1]
+
     def reasoning_stream(self) -> ReasoningStream | None:
         """The splitter of one choice's text, None without a reasoning parser."""
         if self.reasoning_parser is None:
@@ -193,11 +199,15 @@ class ChoiceResult:
 class ChoiceStream:
     """One streamed choice: `feed` each text delta, `finish` at its end.
 
-    A forced call (`required`, a named function) is grammar-enforced, so its pieces are sent
-    as they come: name first, then argument fragments. Under `auto` a call may turn out
-    malformed, and a stream cannot take back what it sent; so once the answer enters a call
-    section, everything after it is held until the choice ends, then sent either as tool
-    calls (each: id and name, then its arguments) or, if any call is malformed, as content.
+    A forced call (`required`, a named function) is grammar-enforced, so it cannot turn out
+    malformed, but it can be cut by max_tokens, and a stream cannot take back what it sent:
+    so each call is held until its arguments' JSON closes, then sent whole (id and name,
+    then its arguments); a call still open when the choice ends is never sent and is counted
+    in `dropped` (issue 28, E15). A client's stream helper (the openai SDK's) then never
+    assembles a call whose arguments are broken JSON. Under `auto` a call may turn out
+    malformed, so once the answer enters a call section, everything after it is held until
+    the choice ends, then sent either as tool calls (each: id and name, then its arguments)
+    or, if any call is malformed, as content.
     """
 
     def __init__(self, dialect: ChatDialect):
@@ -208,12 +218,13 @@ class ChoiceStream:
         self._sent_content = ""
         self._holding = False
         self._held_calls: list[ToolCall] = []
-        self.dropped = 0  # held calls cut short by the length limit and left out
+        self.dropped = 0  # calls cut short (by the length limit) and never sent
+        self._sent_calls = 0  # a forced answer's calls sent so far (each one whole)
 
     @property
     def called(self) -> bool:
         if self.dialect.forced:
-            return bool(self.tools and self.tools.calls)
+            return self._sent_calls > 0
         return bool(self._held_calls)
 
     def _answer(self, out: ChoiceDelta, text: str, end: bool, cut: bool = False) -> ChoiceDelta:
@@ -222,13 +233,10 @@ class ChoiceStream:
             return out
         self._answer_text += text
         if self.dialect.forced:
-            d = self.tools.feed(text)
-            out.content += d.content
-            out.tool_calls += d.tool_calls
-            if end:  # a forced call's pieces were sent as they came: a cut one stays cut
-                f = self.tools.finish()
-                out.content += f.content
-                out.tool_calls += f.tool_calls
+            out.content += self.tools.feed(text).content
+            if end:
+                out.content += self.tools.finish(cut).content
+            self._send_complete_calls(out, end)
             return out
         if not self._holding:
             d = self.tools.feed(text)
@@ -239,6 +247,18 @@ class ChoiceStream:
         if end:
             self._release(out, cut)
         return out
+
+    def _send_complete_calls(self, out: ChoiceDelta, end: bool) -> None:
+        """A forced answer: send each call whose arguments have closed, whole; at the end a
+        call still open (cut) is left out and counted in `dropped`."""
+        calls = self.tools.calls  # type: ignore[union-attr]
+        done = len(calls) - (1 if self.tools.args_start is not None else 0)  # type: ignore[union-attr]
+        for i in range(self._sent_calls, done):
+            out.tool_calls.append(ToolDelta(i, calls[i].id, calls[i].name, ""))
+            out.tool_calls.append(ToolDelta(i, arguments=calls[i].arguments))
+        self._sent_calls = max(self._sent_calls, done)
+        if end:
+            self.dropped = self.tools.dropped + len(calls) - self._sent_calls  # type: ignore[union-attr]
 
     def _release(self, out: ChoiceDelta, cut: bool) -> None:
         """The choice ended: send what was held, as calls if they all parse, else as text;
@@ -254,6 +274,7 @@ class ChoiceStream:
             cut,
         )
         self.dropped = parsed.dropped
+        parsed.tool_calls = self.dialect.allowed_calls(parsed.tool_calls)
         content = parsed.content or ""
         if content.startswith(self._sent_content):
             out.content += content[len(self._sent_content) :]
@@ -305,4 +326,5 @@ def parse_choice(dialect: ChatDialect, text: str, cut: bool = False) -> ChoiceRe
     if dialect.tool_parser is None:
         return ChoiceResult(reasoning, text, [])
     parsed = parse_tool_calls(text, dialect.tool_parser, dialect.tool_names, cut)
-    return ChoiceResult(reasoning, parsed.content, parsed.tool_calls, parsed.dropped)
+    calls = dialect.allowed_calls(parsed.tool_calls)
+    return ChoiceResult(reasoning, parsed.content, calls, parsed.dropped)

@@ -9,6 +9,7 @@ without tools, the same grammar for a forced call. Errors name `chat.<field>`.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 
 import pydantic
@@ -26,6 +27,8 @@ from appliance.grpc.proto.appliance.v1 import appliance_pb2 as pb
 from appliance.http.protocol import CHAT_ROLES, ToolDef
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,13 @@ class ChatReader:
     def fill(self, resp: pb.GenerateResponse, text: str, reason: str | None) -> None:
         p = self.streams.setdefault(resp.index, ChoiceStream(self.dialect))
         piece = p.step(text, reason is not None, reason == "length")
+        if p.dropped:  # the complete calls are answered; the cut one is said, not silent
+            logger.warning(
+                "tool call cut short was dropped",
+                extra={"fields": {"request_id": resp.request_id, "index": resp.index,
+                                  "dropped": p.dropped, "finish_reason": reason}},
+            )  # fmt: skip
+            p.dropped = 0
         if piece is not None:
             resp.content = piece.content
             resp.reasoning_content = piece.reasoning

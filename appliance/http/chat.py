@@ -217,7 +217,7 @@ def _response(
             lps = convert.chat_logprobs(c.logprobs, _num_top(req), state.token_str)
         parsed = parse_choice(dialect, c.text, cut=c.finish_reason == "length")
         if parsed.dropped:
-            _log_cut_call(rid, c.index, parsed.dropped)
+            _drop_cut_calls(state, rid, c.index, parsed.dropped, c.finish_reason or "")
         calls = [
             ToolCallOut(id=t.id, function=FunctionCallOut(name=t.name, arguments=t.arguments))
             for t in parsed.tool_calls
@@ -241,13 +241,16 @@ def _response(
     return body
 
 
-def _log_cut_call(rid: str, index: int, dropped: int) -> None:
-    """A choice ended at max_tokens inside a tool call: its complete calls are answered as
-    tool_calls and the cut one is left out; said here so that it is not silent."""
+def _drop_cut_calls(state: AppState, rid: str, index: int, dropped: int, reason: str) -> None:
+    """A choice ended inside a tool call (at max_tokens, mostly): its complete calls are
+    answered as tool_calls and the cut one is left out; logged and counted
+    (`appliance_tool_calls_dropped_total`) so that it is not silent."""
+    state.metrics.tool_calls_dropped.labels(reason).inc(dropped)
     logger.warning(
-        "tool call cut by the length limit was dropped",
-        extra={"fields": {"request_id": rid, "index": index, "dropped": dropped}},
-    )
+        "tool call cut short was dropped",
+        extra={"fields": {"request_id": rid, "index": index, "dropped": dropped,
+                          "finish_reason": reason}},
+    )  # fmt: skip
 
 
 def _delta(d) -> ChoiceDelta:  # noqa: ANN001 - appliance.dialect.chat_output.ChoiceDelta
@@ -295,7 +298,7 @@ async def _stream(
         )  # fmt: skip
         async for _, delta in merged(streams):
             w.took(delta)
-            choices = []
+            choices, ends = [], []
             for c in delta.outputs:
                 lps = None
                 if req.logprobs and c.logprobs:
@@ -303,13 +306,27 @@ async def _stream(
                 p = parsers[c.index]
                 piece = p.step(c.text, c.finish_reason is not None, c.finish_reason == "length")
                 if p.dropped:
-                    _log_cut_call(rid, c.index, p.dropped)
+                    _drop_cut_calls(state, rid, c.index, p.dropped, c.finish_reason or "")
                     p.dropped = 0
                 delta = _delta(piece) if piece else ChoiceDelta()
                 reason = _finish_reason(c.finish_reason, p.called)
+                if reason and piece is not None and piece.tool_calls:
+                    # The openai SDK's stream helper closes a call (its `arguments.done`)
+                    # when the next call or a finish chunk comes, and reads a chunk's finish
+                    # before its calls: a finish sent with the last call would leave that
+                    # call open. OpenAI sends the finish alone; so does this.
+                    choices.append(
+                        ChatChunkChoice(
+                            index=c.index, delta=delta, logprobs=lps, finish_reason=None
+                        )
+                    )
+                    delta, lps = ChoiceDelta(), None
+                    target = ends
+                else:
+                    target = choices
                 if delta.model_fields_set or reason or lps:
                     failed = {"error": convert.choice_error(c.error, map_param)} if c.error else {}
-                    choices.append(
+                    target.append(
                         ChatChunkChoice(
                             index=c.index,
                             delta=delta,
@@ -321,6 +338,8 @@ async def _stream(
                     )
             if choices:
                 yield w.chunk(choices)
+            if ends:
+                yield w.chunk(ends)
         final = streams[0].output()
         if w.include_usage:
             yield w.usage(convert.usage([final]))

@@ -73,9 +73,22 @@ class OutputBuilder:
         self._blank_logprobs: list[OutputTextLogprob] = []
 
     # ---- input ------------------------------------------------------------------------
-    def step(self, text: str, logprobs: Sequence[Any] | None, finished: bool) -> list[Event]:
+    @property
+    def dropped(self) -> int:
+        """Tool calls cut short (by max tokens) and left out; the caller logs and resets."""
+        return self._parser.dropped
+
+    @dropped.setter
+    def dropped(self, n: int) -> None:
+        self._parser.dropped = n
+
+    def step(
+        self, text: str, logprobs: Sequence[Any] | None, finished: bool, cut: bool = False
+    ) -> list[Event]:
+        """One engine delta; `cut`: the last, at the length limit (a call it cut short is
+        left out, the complete ones stand: issue 28, E15)."""
         events: list[Event] = []
-        piece = self._parser.step(text, finished)
+        piece = self._parser.step(text, finished, cut)
         lps = self._logprobs(logprobs) if self._logprobs and logprobs else []
         if piece is not None and piece.reasoning:
             events += self._reasoning(piece.reasoning)
@@ -92,8 +105,10 @@ class OutputBuilder:
 
     def finish(self, incomplete: bool) -> list[Event]:
         """Closes the open item (`incomplete`: generation stopped before its end, at max
-        tokens or by a failure)."""
-        return self._close("incomplete" if incomplete else "completed")
+        tokens or by a failure). A function call is only ever sent whole (a cut one is left
+        out), so it closes `completed` either way."""
+        whole_call = self._open is not None and self._open.kind == "function_call"
+        return self._close("incomplete" if incomplete and not whole_call else "completed")
 
     # ---- item kinds -------------------------------------------------------------------
     def _reasoning(self, text: str) -> list[Event]:

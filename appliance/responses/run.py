@@ -12,6 +12,7 @@ A consumer that stops early (the client left) stores nothing.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -27,6 +28,8 @@ from appliance.responses.protocol import (
 )
 from appliance.responses.store import ResponseStore
 from appliance.responses.turn import Turn
+
+logger = logging.getLogger(__name__)
 
 Decode = Callable[[list[int]], str]
 
@@ -97,8 +100,17 @@ class ResponseRun:
         try:
             async for delta in stream:
                 for d in delta.outputs:
-                    for ev in self._builder.step(d.text, d.logprobs, d.finish_reason is not None):
+                    done, cut = d.finish_reason is not None, d.finish_reason == "length"
+                    for ev in self._builder.step(d.text, d.logprobs, done, cut):
                         yield self._numbered(ev)
+                    if self._builder.dropped:
+                        logger.warning(
+                            "tool call cut short was dropped",
+                            extra={"fields": {"response_id": self.response.id,
+                                              "dropped": self._builder.dropped,
+                                              "finish_reason": d.finish_reason}},
+                        )  # fmt: skip
+                        self._builder.dropped = 0
                     finish = d.finish_reason or finish
         except Exception as e:  # the engine failed the request
             self.failure = e

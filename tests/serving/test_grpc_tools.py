@@ -207,3 +207,18 @@ def test_stop_strings_with_a_forced_call_are_refused_naming_sampling_stop():
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.details().startswith("sampling.stop: "), e.details()
     assert not fake.requests
+
+
+def test_a_forced_call_cut_by_max_tokens_is_never_sent_and_is_logged(caplog):
+    """Issue 28, E15. Before, a forced call's pieces went out as generated, so the call cut
+    by max_tokens arrived with arguments `{"ci` (broken JSON) after the complete ones."""
+    lyon = CALL.replace("Paris", "Lyon")
+    cut_at = '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    text = f'{CALL}\n{lyon}\n{cut_at}ty": "Nice"}}}}\n</tool_call>'
+    req = _chat([USER], tools=[TOOL], tool_choice=pb.ToolChoice(mode="required"))
+    req.sampling.max_tokens = len(f"{CALL}\n{lyon}\n{cut_at}")  # the fake: a character a token
+    with caplog.at_level("WARNING", logger="appliance.grpc.native_chat"):
+        (out,), _ = run_fake([req], [text])
+    assert out[-1].finish_reason == "length"
+    assert [json.loads(c.arguments) for c in _calls(out)] == [{"city": "Paris"}, {"city": "Lyon"}]
+    assert any(r.getMessage() == "tool call cut short was dropped" for r in caplog.records)

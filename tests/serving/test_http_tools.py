@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
+import pytest
 
 from appliance.config import ServerConfig
 from tests.support.fake_openai import prompt_text, run_with_fake
@@ -279,3 +281,67 @@ def test_stop_strings_with_a_forced_call_are_a_400_naming_stop():
         assert r.choices[0].finish_reason in ("stop", "tool_calls")
 
     run(fn, ["plain answer"])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_a_streamed_answer_cut_by_length_never_sends_the_cut_call(tool_choice):
+    """The openai SDK's stream helper assembles the call deltas and hands out each call's
+    arguments (`tool_calls.function.arguments.done`) when the next call or the finish comes.
+    Before, a forced call was sent as it came, so the cut third call arrived as `{"ci` and
+    the helper handed it out as a call whose arguments are broken JSON (json.loads raised
+    here); and under `auto` the held calls came in the finish chunk, which the helper reads
+    before the calls, so the last complete call was never handed out."""
+
+    async def fn(client, fake):
+        done_args = []
+        async with client.chat.completions.stream(
+            model="fake-model", messages=[{"role": "user", "content": "Weather?"}],
+            tools=TOOLS, tool_choice=tool_choice, max_tokens=CUT_TOKENS,
+        ) as stream:  # fmt: skip
+            async for event in stream:
+                if event.type == "tool_calls.function.arguments.done":
+                    done_args.append(json.loads(event.arguments))
+            # get_final_completion() raises LengthFinishReasonError at any "length" finish
+            choice = stream.current_completion_snapshot.choices[0]
+        assert choice.finish_reason == "length" and not choice.message.content
+        assert done_args == [{"city": "Paris"}, {"city": "Lyon"}], done_args
+        assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == done_args
+
+    run(fn, [THREE_CALLS])
+
+
+def test_dropped_cut_calls_are_counted_in_the_metrics():
+    """Before, a dropped call was only logged: no series counted it."""
+
+    async def fn(client, fake):
+        await _cut_request(client, "auto")
+        async for _ in await _cut_request(client, "required", stream=True):
+            pass
+        r = await client.with_options(base_url="http://t").get("/metrics", cast_to=httpx.Response)
+        return r.text
+
+    text = run(fn, [THREE_CALLS, THREE_CALLS])
+    assert 'appliance_tool_calls_dropped_total{finish_reason="length"} 2.0' in text, text
+
+
+def test_parallel_tool_calls_false_under_auto_answers_one_call_streamed_and_not():
+    """Before, `auto` ignored `parallel_tool_calls: false`: both calls came back."""
+
+    async def fn(client, fake):
+        kw = dict(model="fake-model", messages=[{"role": "user", "content": "x"}],
+                  tools=TOOLS, parallel_tool_calls=False, max_tokens=500)  # fmt: skip
+        r = await client.chat.completions.create(**kw)
+        calls = r.choices[0].message.tool_calls
+        assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}]
+        assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+        indexes, args, reasons = set(), "", []
+        async for chunk in await client.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                reasons.append(ch.finish_reason)
+                for t in ch.delta.tool_calls or ():
+                    indexes.add(t.index)
+                    args += t.function.arguments or ""
+        assert indexes == {0} and json.loads(args) == {"city": "Paris"}, (indexes, args)
+        assert reasons[-1] == "tool_calls"
+
+    run(fn, [f"{CALL}\n{CALL_LYON}"] * 2)

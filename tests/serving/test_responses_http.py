@@ -347,3 +347,27 @@ def test_reasoning_effort_none_turns_thinking_off():
         assert r.usage.output_tokens_details.reasoning_tokens == 0
 
     run(fn, ["<think>x</think>4"], server)
+
+
+def test_a_call_cut_by_max_output_tokens_is_left_out_and_the_complete_ones_stand():
+    """Issue 28, E15. Before, under `auto` the cut third call turned the whole answer into
+    one message of raw `<tool_call>` markup; with `required` the cut call came out as a
+    function_call item whose arguments were broken JSON."""
+    lyon = CALL.replace("Paris", "Lyon")
+    cut_at = '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    text = f'{CALL}\n{lyon}\n{cut_at}ty": "Nice"}}}}\n</tool_call>'
+    limit = len(f"{CALL}\n{lyon}\n{cut_at}")  # the fake engine: one character a token
+
+    async def fn(client, fake):
+        for choice in ("auto", "required"):
+            r = await client.responses.create(
+                model="fake-model", input="Weather?", tools=TOOLS, tool_choice=choice,
+                max_output_tokens=limit, store=False,
+            )  # fmt: skip
+            assert r.status == "incomplete", choice
+            assert [o.type for o in r.output] == ["function_call"] * 2, (choice, r.output)
+            assert [json.loads(o.arguments) for o in r.output] == [
+                {"city": "Paris"}, {"city": "Lyon"}]  # fmt: skip
+            assert all(o.status == "completed" for o in r.output), choice
+
+    run(fn, [text, text])

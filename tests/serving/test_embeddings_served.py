@@ -179,7 +179,7 @@ def test_embedding_metrics_count_inputs_and_their_tokens(served):
     assert lines['appliance_embedding_inputs_total{finish_reason="stop"}'] >= 3
     assert lines["appliance_embedding_prompt_tokens_total"] >= 3
     assert lines["appliance_request_inference_time_seconds_count"] >= 3
-    assert lines["appliance_request_queue_time_seconds_count"] >= 3
+    assert lines['appliance_request_queue_time_seconds_count{tenant="default"}'] >= 3
 
 
 def test_truncate_prompt_tokens_keeps_each_inputs_last_tokens(served):

@@ -120,17 +120,18 @@ def test_deadline_passing_while_streaming_stops_it_frees_its_blocks_and_ends_the
             assert r.status_code == 200
             lines = r.iter_lines()
             gate.allow(2)  # the prefill and one decode
+            gate.wait_steps(2)
+            # Their tokens come as one chunk or two (a server slower than the engine merges
+            # steps): the first is enough to know the stream is under way.
             for line in lines:
                 if line.startswith("data: "):
                     events.append(line[6:])
-                    if len(events) == 2:
-                        break
-            gate.wait_steps(2)
+                    break
             assert harness.engine.stats().num_running == 1
             clock.jump(60)
             gate.allow(1)
             events += [ln[6:] for ln in lines if ln.startswith("data: ")]
-    assert all("choices" in json.loads(e) for e in events[:2])
+    assert events[:-2] and all("choices" in json.loads(e) for e in events[:-2])
     err = json.loads(events[-2])["error"]
     assert err["code"] == "deadline_exceeded" and "while it was running" in err["message"]
     assert events[-1] == "[DONE]"

@@ -3,8 +3,8 @@
 Speculation pays most where the output repeats the input: a request to rewrite 1,600
 characters of `textwrap.py` (the installed Python's, read from disk, so nothing is
 downloaded) lets n-gram prompt lookup propose long runs that the target accepts. This
-measures one stream on the default model (SmolLM2-135M-Instruct, dequantized, float32,
-2 threads), ours without speculation against ours with each `--methods` entry:
+measures one stream on the default model (SmolLM2-135M-Instruct, its GGUF dequantized to a
+float32 safetensors checkpoint by bench/float_checkpoint.py, which both engines read; 2 threads), ours without speculation against ours with each `--methods` entry:
 
 - every method gets its own `LLM` in this one process (never two generating at once);
   one warm-up request each, then `--repeats` rounds, each round running the methods in an
@@ -59,6 +59,7 @@ from bench.common import (  # noqa: E402
     versions,
     write_jsonl,
 )
+from bench.float_checkpoint import smollm2_float_dir  # noqa: E402
 from bench.spec_copy_vllm import VLLM_METHODS, entry_name, summarize  # noqa: E402
 from bench.workloads import ensure_model, model_info  # noqa: E402
 
@@ -67,8 +68,13 @@ SOURCE_CHARS = 1600
 METHODS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
-    # vLLM's n-gram settings in bench/spec_copy_vllm.py, key for key
-    "ngram-l4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+    # vLLM's n-gram as it resolves its settings (a lookup of exactly 4: min = max)
+    "ngram-l4": {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 4,
+        "prompt_lookup_max": 4,
+    },
     "ngram-k8": {"method": "ngram", "num_speculative_tokens": 8},
     "ngram-k8-fixed": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": False},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
@@ -209,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
 
     record = base_record("spec_copy")
     record["idle_cores_before"] = idle_snapshot()
-    model_dir = ensure_model(args.model)
+    # smollm2: the GGUF dequantized to float32 safetensors, which vLLM reads as ours does
+    model_dir = smollm2_float_dir() if args.model == "smollm2" else ensure_model(args.model)
     record["model"] = {"name": args.model, **model_info(model_dir)}
     record["settings"] = {
         "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,

@@ -36,23 +36,31 @@ def plot(record: dict[str, Any], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     methods = list(record["settings"]["speculative_configs"])
+    methods += [v for v in record["settings"].get("vllm_speculative_configs", {}) if v in record]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, m in enumerate(methods):
         r = record[m]
-        left.bar(i, r["tpot_ms"], color="#bbbbbb" if m == "none" else "#1f77b4")
-        left.scatter([i] * len(r["tpot_ms_all"]), r["tpot_ms_all"], color="black", s=10, zorder=3)
+        vllm = m.startswith("vllm-")
+        none = "vllm-none" if vllm else "none"
+        pts = [x for x in r["tpot_ms_all"] if x is not None]
+        color = "#bbbbbb" if m == none else ("#ff7f0e" if vllm else "#1f77b4")
+        left.bar(i, r["tpot_ms"], color=color)
+        left.scatter([i] * len(pts), pts, color="black", s=10, zorder=3)
+        base = record.get(none, {}).get("tpot_ms")
         label = (
             ""
-            if m == "none"
-            else f"{record['tpot_speedup_vs_none'][m]}x\nacc.len {r['mean_acceptance_length']}"
+            if m == none or not base
+            else f"{round(base / r['tpot_ms'], 2)}x\nacc.len {r.get('mean_acceptance_length')}"
         )
         left.text(i, r["tpot_ms"], label, ha="center", va="bottom", fontsize=8)
         if r.get("accepted_per_pos"):
             pos = range(1, len(r["accepted_per_pos"]) + 1)
             right.plot(pos, r["accepted_per_pos"], marker="o", label=m)
-    left.set_ylim(0, 1.3 * max(max(record[m]["tpot_ms_all"]) for m in methods))
+    left.set_ylim(
+        0, 1.3 * max(x for m in methods for x in record[m]["tpot_ms_all"] if x is not None)
+    )
     left.set_xticks(range(len(methods)), methods)
-    left.set_ylabel("TPOT, ms (median; dots: repeats)")
+    left.set_ylabel("TPOT, ms (median; dots: repeats; orange: vLLM)")
     left.set_title(f"copy task, one greedy stream, {record['model']['name']}")
     right.set_xlabel("proposal position")
     right.set_ylabel("share of drafts accepted there")

@@ -3,8 +3,8 @@
 Speculation pays most where the output repeats the input: a request to rewrite 1,600
 characters of `textwrap.py` (the installed Python's, read from disk, so nothing is
 downloaded) lets n-gram prompt lookup propose long runs that the target accepts. This
-measures one stream on the default model (SmolLM2-135M-Instruct, dequantized, float32,
-2 threads), ours without speculation against ours with each `--methods` entry:
+measures one stream on the default model (SmolLM2-135M-Instruct, its GGUF dequantized to a
+float32 safetensors checkpoint by bench/float_checkpoint.py, which both engines read; 2 threads), ours without speculation against ours with each `--methods` entry:
 
 - every method gets its own `LLM` in this one process (never two generating at once);
   one warm-up request each, then `--repeats` rounds, each round running the methods in an
@@ -17,14 +17,19 @@ measures one stream on the default model (SmolLM2-135M-Instruct, dequantized, fl
   the run without speculation (they must);
 - `other_cores` per run (bench/common.py's LoadMeter): the box is shared.
 
-vLLM CPU with its n-gram method is the peer of the issue's goal. It is not run here: this
-script records whether its venv exists (bench/peers/setup_vllm.py --check), and the issue's
-figures for it (12.6 tok/s without, 57.1 with n-gram, measured on an earlier session's box)
-are quoted in docs/speculative.md as such, not as a same-run comparison.
+vLLM CPU with its n-gram method is the peer of the issue's goal, run in the same invocation
+(bench/spec_copy_vllm.py): one subprocess per `--vllm-methods` entry under the vLLM venv's
+python (bench/peers/setup_vllm.py installs it on first use unless --no-install), the same
+checkpoint directory and prompt token ids, its repeats in the same rotated order as ours
+(entries `vllm-none`, `vllm-ngram`), TPOT by the same definition (bench/peers/spec_timing.py),
+its own speculation counters, and its output compared with ours. A vLLM that cannot be
+installed or refuses to run is recorded under "vllm" with the error, and ours still runs.
 
 One JSON line goes to bench/results/spec_copy.jsonl.
 
-    python bench/spec_copy.py                            # ngram-k8, ngram, none; 3 rounds
+    python bench/spec_copy.py                            # ngram-k8, ngram, none; vLLM none, ngram
+    python bench/spec_copy.py --methods none,ngram,ngram-l4 --vllm-methods none,ngram
+    python bench/spec_copy.py --vllm-methods ""          # ours only
     python bench/spec_copy.py --methods none,suffix --repeats 5
     python bench/spec_copy.py --quick                    # tiny model, 64 tokens, 1 round
 """
@@ -32,6 +37,7 @@ One JSON line goes to bench/results/spec_copy.jsonl.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import sys
 import textwrap
@@ -53,6 +59,8 @@ from bench.common import (  # noqa: E402
     versions,
     write_jsonl,
 )
+from bench.float_checkpoint import smollm2_float_dir  # noqa: E402
+from bench.spec_copy_vllm import VLLM_METHODS, entry_name, summarize  # noqa: E402
 from bench.workloads import ensure_model, model_info  # noqa: E402
 
 SOURCE_CHARS = 1600
@@ -60,6 +68,13 @@ SOURCE_CHARS = 1600
 METHODS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    # vLLM's n-gram as it resolves its settings (a lookup of exactly 4: min = max)
+    "ngram-l4": {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 4,
+        "prompt_lookup_max": 4,
+    },
     "ngram-k8": {"method": "ngram", "num_speculative_tokens": 8},
     "ngram-k8-fixed": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": False},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
@@ -140,6 +155,25 @@ def _summarize(record: dict[str, Any], runs, before, llms, tok) -> None:
         }
 
 
+def _summarize_vllm(record: dict[str, Any], runs, vruns) -> None:
+    """The vLLM entries, their output against ours without speculation, and the headline:
+    TPOT ratios of vLLM's to ours (above 1: ours is faster per token)."""
+    ours_none = runs["none"][0]["ids"] if runs["none"] else None
+    vllm_none = vruns.get(entry_name("none")) or []
+    vllm_none_ids = vllm_none[0]["ids"] if vllm_none else None
+    for name, rs in vruns.items():
+        if rs:
+            record[name] = summarize(rs, ours_none, vllm_none_ids)
+    pairs = [("none", entry_name("none")), ("ngram", entry_name("ngram")),
+             ("ngram-l4", entry_name("ngram"))]  # fmt: skip
+    ratio = {}
+    for ours, theirs in pairs:
+        a, b = record.get(ours, {}).get("tpot_ms"), record.get(theirs, {}).get("tpot_ms")
+        if a and b:
+            ratio[f"{theirs}/{ours}"] = rnd(b / a, 2)
+    record["tpot_vllm_over_ours"] = ratio
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -152,6 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="tiny model, 64 tokens, 1 round")
     ap.add_argument("--out", default=str(RESULTS_DIR / "spec_copy.jsonl"))
+    ap.add_argument(
+        "--vllm-methods",
+        default="none,ngram",
+        help=f"vLLM CPU peers from {sorted(VLLM_METHODS)}; empty: ours only",
+    )
+    ap.add_argument("--vllm-python", default=None, help="a python with vllm (default: the venv)")
+    ap.add_argument("--no-install", action="store_true", help="never install the vLLM venv")
+    ap.add_argument("--vllm-timeout", type=int, default=1800, help="seconds per vLLM command")
+    ap.add_argument("-v", "--verbose", action="store_true", help="echo the vLLM peers' output")
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.max_tokens, args.repeats = "tiny", 64, 1
@@ -160,19 +203,27 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or "none" not in methods:
         ap.error(f"--methods: none (the reference) and others from {sorted(METHODS)}")
+    vllm_methods = [m for m in args.vllm_methods.split(",") if m]
+    if any(m not in VLLM_METHODS for m in vllm_methods):
+        ap.error(f"--vllm-methods: from {sorted(VLLM_METHODS)}")
 
-    from bench.peers.setup_vllm import state as vllm_state
+    from bench import spec_copy_vllm
+    from bench.throughput import _kill_live_peers
     from engine import LLM, SamplingParams
+
+    atexit.register(_kill_live_peers)  # a vLLM peer's engine-core must not outlive us
 
     record = base_record("spec_copy")
     record["idle_cores_before"] = idle_snapshot()
-    model_dir = ensure_model(args.model)
+    # smollm2: the GGUF dequantized to float32 safetensors, which vLLM reads as ours does
+    model_dir = smollm2_float_dir() if args.model == "smollm2" else ensure_model(args.model)
     record["model"] = {"name": args.model, **model_info(model_dir)}
     record["settings"] = {
         "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
         "repeats": args.repeats, "source": f"textwrap.py[:{args.source_chars}] of Python "
         f"{sys.version.split()[0]}", "greedy": True,
         "speculative_configs": {m: METHODS[m] for m in methods},
+        "vllm_speculative_configs": {entry_name(m): VLLM_METHODS[m] for m in vllm_methods},
     }  # fmt: skip
     record["versions"] = versions()
     llms = {}
@@ -189,37 +240,73 @@ def main(argv: list[str] | None = None) -> int:
     )
     record["prompt_tokens"] = len(prompt_ids)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    peers, vllm_failed = {}, {}
+    if vllm_methods:
+        log(f"starting vLLM peers {vllm_methods} (load and compile: a minute or more)")
+        peers, vllm_failed = spec_copy_vllm.start_peers(vllm_methods, model_dir, prompt_ids, args)
     for llm in llms.values():  # warm-up: kernels, first allocations
         llm.generate([{"prompt_token_ids": prompt_ids[:64]}], SamplingParams(max_tokens=8),
                      use_tqdm=False)  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    vruns: dict[str, list[dict[str, Any]]] = {name: [] for name in peers}
     before = {m: llm.engine.stats().spec_decode for m, llm in llms.items()}
     before = {m: s.snapshot() if s else None for m, s in before.items()}
+    entries = methods + list(peers)
     for r in range(args.repeats):
-        order = methods[r % len(methods) :] + methods[: r % len(methods)]
+        order = entries[r % len(entries) :] + entries[: r % len(entries)]
         for name in order:
-            res = run_once(llms[name], prompt_ids, params)
-            log(f"round {r} {name}: {res['tokens']} tokens, TPOT {res['tpot_ms']:.1f} ms, "
+            if name in peers:
+                if not peers[name].alive:
+                    continue
+                res = peers[name].run(r)
+                if res is None:
+                    vllm_failed[name] = peers[name].error or "no result"
+                    continue
+                vruns[name].append(res)
+            else:
+                res = run_once(llms[name], prompt_ids, params)
+                runs[name].append(res)
+            log(f"round {r} {name}: {res['tokens']} tokens, TPOT {rnd(res['tpot_ms'], 1)} ms, "
                 f"other_cores {res['other_cores']}")  # fmt: skip
-            runs[name].append(res)
             _summarize(record, runs, before, llms, tok)
+            _summarize_vllm(record, runs, vruns)
             # what a run cut short leaves: every finished run, summarized
             Path(args.out + ".partial.json").write_text(json.dumps(record, indent=1))
-    vllm = vllm_state()
-    record["vllm"] = {"ran": False, "installed": vllm["ok"],
-                      "why": "not run by this script (see its docstring)" if vllm["ok"]
-                      else (vllm["error"] or "")[:200]}  # fmt: skip
     for llm in llms.values():
         llm.close()
+    record["vllm"] = {"methods": [entry_name(m) for m in vllm_methods], "failed": vllm_failed}
+    for name, p in peers.items():
+        res = spec_copy_vllm.finish(p, vllm_failed, name)
+        record["vllm"][name] = {k: res.get(k) for k in ("load_s", "warmup_s", "settings",
+                                                        "versions", "tpot_source")}  # fmt: skip
+    record["vllm"]["ran"] = any(vruns.values())
     write_jsonl(args.out, record)
     summary = {
         m: {
             k: record[m].get(k)
-            for k in ("tpot_ms", "tok_s", "greedy_equal_to_none", "mean_acceptance_length")
+            for k in (
+                "tpot_ms",
+                "tok_s",
+                "greedy_equal_to_none",
+                "equal_to_ours_none",
+                "mean_acceptance_length",
+            )
         }
-        for m in methods
+        for m in entries
+        if m in record
     }
-    print(json.dumps({"summary": summary, "speedup": record["tpot_speedup_vs_none"]}, indent=1))
+    for name in vllm_failed:
+        log(f"vLLM {name} FAILED: {vllm_failed[name][-600:]}")
+    print(
+        json.dumps(
+            {
+                "summary": summary,
+                "speedup": record["tpot_speedup_vs_none"],
+                "tpot_vllm_over_ours": record.get("tpot_vllm_over_ours"),
+            },
+            indent=1,
+        )
+    )
     ok = all(record[m]["greedy_equal_to_none"] for m in methods)
     return 0 if ok else 1
 

@@ -176,6 +176,11 @@ class SchedulerConfig:
     # tenant runs fewer than its weighted share of the seats, preempt a request of the
     # tenant furthest above its share to admit it (instead of waiting for a seat to free).
     preempt_for_fairness: bool = False
+    # policy deadline: a waiting request whose remaining work (prefill chunks + output left
+    # to its explicit max_tokens, at the recent step time) ends after its deadline is
+    # admitted only when no request that can still make its own waits (it keeps its place;
+    # see engine/core/policy/feasibility.py).
+    defer_late_requests: bool = True
     # What the fair policies charge a tenant's virtual token counter (engine/core/policy/
     # charges.py): weighted input (prompt) and output (generated) tokens computed, and
     # whether prefix-cache hits, KV-tier hits, speculative tokens the verifier rejected,

@@ -19,8 +19,10 @@ difference to at most `max_num_seqs` requests:
    continues next step. The first allocation failure stops admission for this step; we do
    not preempt running requests to admit waiting ones for memory, under any policy (a
    high-priority arrival waits for memory like any other). A tenant at its `max_running`
-   is passed over for the rest of the step. With `preempt_for_fairness` (fair policies
-   only), a full set of seats is the one exception: see `_swap_for_share`.
+   is passed over for the rest of the step. Under `deadline`, a request whose remaining
+   work can no longer end before its deadline waits until the others are admitted
+   (`engine.core.policy.feasibility`). With `preempt_for_fairness` (fair policies only), a
+   full set of seats is the one exception: see `_swap_for_share`.
 
 `num_computed_tokens` is advanced when `schedule()` returns (as in vLLM v1): the runner will
 compute the scheduled tokens, so the next step may already schedule the token sampled from
@@ -224,6 +226,7 @@ class Scheduler:
         """Picks this step's requests and token counts; see the module docstring."""
         now = self.clock()
         self._expire_deadlines(now)
+        self.policy.step_started(now, bool(self.running))
         step = _Step(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step, now)
         # Charged before admission, so that admission sees this step's work in the counters.
@@ -359,17 +362,48 @@ class Scheduler:
         """Admits waiting requests in policy order until budget, seats or blocks run out.
 
         A fork sample whose leader is running but not far enough is skipped (it keeps its
-        place) without blocking the requests behind it.
+        place) without blocking the requests behind it. Under `deadline`, a request that can
+        no longer make its deadline (`policy.feasibility`) is set aside the same way and
+        admitted in a second pass only if seats and budget remain once the rest is taken.
         """
         waiting, running = self.waiting, self.running
-        max_seqs = self.config.max_num_seqs
         skipped: list[Request] = []
+        late: list[Request] | None = [] if self.policy.defers_late else None
         adapters = AdapterSlots(self.max_loras, running)
         tenants = TenantSlots(running)
+        pool_full = self._admit_waiting(step, now, adapters, tenants, skipped, late)
+        if late:
+            waiting.restore(late)
+            if not pool_full:
+                self._admit_waiting(step, now, adapters, tenants, skipped, None)
+        max_seqs = self.config.max_num_seqs
+        if self.policy.preempt_for_share and waiting and len(running) >= max_seqs:
+            self._swap_for_share(step, now, adapters, tenants)
+        waiting.unpark_all()
+        if skipped:
+            waiting.restore(skipped)
+
+    def _admit_waiting(
+        self,
+        step: _Step,
+        now: float,
+        adapters: AdapterSlots,
+        tenants: TenantSlots,
+        skipped: list[Request],
+        late: list[Request] | None,
+    ) -> bool:
+        """One pass of `_schedule_waiting`; sets aside in `late` (when given) the requests
+        that cannot make their deadline. True when it stopped because the pool was full."""
+        waiting, running = self.waiting, self.running
+        max_seqs = self.config.max_num_seqs
+        is_late = self.policy.is_late
         while waiting and step.budget > 0 and len(running) < max_seqs:
             req = waiting.peek()
             if not tenants.admits(req):  # its tenant is at max_running: pass it over
                 waiting.park(req.tenant.name)
+                continue
+            if late is not None and is_late(req, now):
+                late.append(waiting.pop())
                 continue
             leader = self._fork_leader(req)
             if (
@@ -380,12 +414,8 @@ class Scheduler:
                 skipped.append(waiting.pop())
                 continue
             if not self._admit(req, leader, step, now, adapters, tenants):
-                break  # the pool can't cover it: stop admitting this step
-        if self.policy.preempt_for_share and waiting and len(running) >= max_seqs:
-            self._swap_for_share(step, now, adapters, tenants)
-        waiting.unpark_all()
-        if skipped:
-            waiting.restore(skipped)
+                return True  # the pool can't cover it: stop admitting this step
+        return False
 
     def _admit(
         self,

@@ -19,6 +19,7 @@ from engine.core import admission
 from engine.core.policy.charges import ChargeRules
 from engine.core.policy.deadlines import DeadlineHeap
 from engine.core.policy.fair_share import VirtualTokenCounter
+from engine.core.policy.feasibility import StepTimer, is_late
 from engine.core.policy.overflow import overflow_victim
 from engine.core.policy.tenant import DEFAULT_TENANT_NAME
 from engine.core.policy.tenant_queue import TenantQueue
@@ -58,6 +59,11 @@ class SchedulingPolicy:
         # Admission may preempt an over-share tenant's request when every seat is taken
         # (see Scheduler._swap_for_share); only the fair policies know shares.
         self.preempt_for_share = config.preempt_for_fairness and self.counter is not None
+        # `deadline` admits requests that can no longer make their deadline only after those
+        # that can (`feasibility`); the step timer feeds its estimate.
+        self.defers_late = self.name == "deadline" and config.defer_late_requests
+        self.step_timer = StepTimer() if self.defers_late else None
+        self._chunk = config.max_num_batched_tokens
         self._tenants_seen = False  # some request came from a tenant other than default
 
     # ---- admission -----------------------------------------------------------------------
@@ -88,6 +94,17 @@ class SchedulingPolicy:
         if not len(self.deadlines):
             return []
         return self.deadlines.pop_expired(now, live)
+
+    def step_started(self, now: float, busy: bool) -> None:
+        """A step starts (`busy`: requests are running); feeds the step-time estimate."""
+        if self.step_timer is not None:
+            self.step_timer.step_started(now, busy)
+
+    def is_late(self, request: Request, now: float) -> bool:
+        """`deadline` with deferral on: `request`'s remaining work at the recent step time
+        ends after its deadline (`feasibility.is_late`); always False otherwise."""
+        timer = self.step_timer
+        return timer is not None and is_late(request, now, timer.step_s, self._chunk)
 
     # ---- charges ---------------------------------------------------------------------------
     def charge_admitted(self, request: Request, start: int, n: int) -> None:

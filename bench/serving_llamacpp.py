@@ -9,8 +9,9 @@ get the same streamed `/v1/completions` client (bench/serving.py's `one_request`
     64 streams    64 requests at once: output tok/s
 
 Then, in a fresh process per format, the weights' RSS of our model (RSS after `load_model`
-minus RSS after importing torch; no KV cache) for the GGUF kept quantized and for
-`quantization: none` (float32).
+minus RSS after importing torch; no KV cache), and the RSS of a second load in the same
+process (every module the load imports already in: the weights alone), for the GGUF kept
+quantized and for `quantization: none` (float32).
 
 llama.cpp is built from source by bench/peers/setup_llamacpp.py (its build flags are in
 the record) and started as `llama-server -m FILE -t T -np 64 -c 20480`. The box is shared:
@@ -163,21 +164,35 @@ def rss():
         if line.startswith('VmRSS:'):
             return int(line.split()[1]) * 1024
 torch.set_num_threads(1)
-before = rss()
 from engine.config import ModelConfig
 from engine.worker.models.loader import load_model
-m = load_model(ModelConfig(path=sys.argv[1], quantization=sys.argv[2]), torch.device('cpu'))
-print(json.dumps({'weights_rss_mib': round((rss() - before) / 2**20, 1)}))
+config = ModelConfig(path=sys.argv[1], quantization=sys.argv[2])
+before = rss()
+first = load_model(config, torch.device('cpu'), progress=False)
+after_first = rss()
+second = load_model(config, torch.device('cpu'), progress=False)  # the first stays alive
+after_second = rss()
+tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+           for t in [*second.model.parameters(), *second.model.buffers()]}
+print(json.dumps({
+    'weights_rss_mib': round((after_first - before) / 2**20, 1),
+    'second_load_rss_mib': round((after_second - after_first) / 2**20, 1),
+    'tensor_mib': round(sum(tensors.values()) / 2**20, 1),
+}))
 """
 
 
-def weights_rss(gguf: str, quantization: str) -> float | None:
+def weights_rss(gguf: str, quantization: str) -> dict | None:
+    """RSS of loading the model in a fresh process: the first load (what the goal's
+    definition counts, the modules the load imports included: transformers' config stack
+    and torch._dynamo), a second load in the same process (the weights alone, every module
+    already imported), and the bytes of the model's tensors."""
     proc = subprocess.run([sys.executable, "-c", _RSS, gguf, quantization], capture_output=True,
                           text=True, cwd=str(ROOT), env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
                                                          "HOME": str(Path.home())})  # fmt: skip
     for line in proc.stdout.splitlines()[::-1]:
         if line.startswith("{"):
-            return json.loads(line)["weights_rss_mib"]
+            return json.loads(line)
     log(f"RSS probe ({quantization}) failed: {proc.stderr[-500:]}")
     return None
 

@@ -47,6 +47,7 @@ import pstats
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -89,6 +90,14 @@ def build_engine(sets: list[str]):
     from engine.llm_engine import LLMEngine
 
     return LLMEngine(load_config(None, sets, {}).engine_config())
+
+
+def build_async_engine(sets: list[str]):
+    """As `appliance serve` builds it: the engine loaded on the thread that steps it."""
+    from appliance.config import load_config
+    from engine.async_engine import AsyncEngine
+
+    return AsyncEngine.from_config(load_config(None, sets, {}).engine_config())
 
 
 def prompts(batch: int, seed: int) -> list[list[int]]:
@@ -393,9 +402,10 @@ def main() -> None:
     }  # fmt: skip
     med = statistics.median
 
-    if "offline" in modes or "async" in modes:
+    def offline_mode() -> None:
+        """On a thread of its own, which exits after: its OpenMP pool goes with it, so the
+        async and http modes below run as served (engine/loop_thread.py)."""
         eng = build_engine(sets)
-    if "offline" in modes:
         clock = PhaseClock(eng, args.stub_model)
         res = {}
         for b in batches:
@@ -412,12 +422,13 @@ def main() -> None:
             res[b]["outside_runs"] = [round(run["outside"], 1) for run in runs]
             print(f"\noffline batch {b:3d} µs/step: " + json.dumps(res[b]))
         record["offline"] = res
-        # Unwrap: the async run below steps the same engine.
-        eng = build_engine(sets) if "async" in modes else None
-    if "async" in modes:
-        from engine.async_engine import AsyncEngine
 
-        aeng = AsyncEngine(eng)
+    if "offline" in modes:
+        t = threading.Thread(target=offline_mode)
+        t.start()
+        t.join()
+    if "async" in modes:
+        aeng = build_async_engine(sets)
         res = {}
         for b in batches:
             runs = [
@@ -428,15 +439,14 @@ def main() -> None:
             print(f"async   batch {b:3d} µs: " + json.dumps(res[b]))
         record["async"] = res
         asyncio.run(aeng.shutdown())
-        del aeng, eng
+        del aeng
     if "http" in modes:
         from appliance.config import ServerConfig
         from appliance.http.app import build_app
         from appliance.http.server import BackgroundServer
-        from engine.async_engine import AsyncEngine
 
-        eng = build_engine(sets)
-        aeng = AsyncEngine(eng)
+        aeng = build_async_engine(sets)
+        eng = aeng.engine
         server = BackgroundServer(build_app(aeng, ServerConfig(host="127.0.0.1"))).start()
         try:
             res = {}

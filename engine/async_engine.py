@@ -69,6 +69,7 @@ from engine.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
+from engine.loop_thread import BuiltOnThread
 from engine.lora_request import LoRARequest
 from engine.output.request_output import OutputAccumulator, RequestDelta, RequestOutput
 from engine.pooling_params import PoolingParams
@@ -101,7 +102,27 @@ class AsyncEngine:
         max_consecutive_failures: int = 3,
         step_timeout_s: float | None = None,
         offload_prompt_chars: int = DEFAULT_OFFLOAD_PROMPT_CHARS,
+        _loop: BuiltOnThread[Any] | None = None,
     ):
+        """`_loop` (from `from_config`): the thread `engine` was built on, which becomes the
+        engine loop's thread (see engine/loop_thread.py for why)."""
+        try:
+            self._setup(
+                engine, max_consecutive_failures, step_timeout_s, offload_prompt_chars, _loop
+            )
+        except BaseException:
+            if _loop is not None:
+                _loop.run(None)
+            raise
+
+    def _setup(
+        self,
+        engine: SteppedEngine,
+        max_consecutive_failures: int,
+        step_timeout_s: float | None,
+        offload_prompt_chars: int,
+        loop: BuiltOnThread[Any] | None,
+    ) -> None:
         self.engine = engine
         self.max_consecutive_failures = max_consecutive_failures
         self.step_timeout_s = step_timeout_s
@@ -120,15 +141,25 @@ class AsyncEngine:
         self._consecutive_failures = 0
         self.num_steps = 0
         self.num_failed_steps = 0
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        if loop is None:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        else:
+            self._thread = loop.thread
         engine.set_wakeup(self._wake)  # background work (KV tier rescans) wakes the loop
-        self._thread.start()
+        if loop is None:
+            self._thread.start()
+        else:
+            loop.run(self._run)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
+        """Builds the LLMEngine on the thread that will step it (engine/loop_thread.py: a
+        model loaded on another thread leaves an OpenMP pool there that halves the speed of
+        the stepping thread's kernels on a small CPU)."""
         from engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine(config), **kwargs)
+        loop = BuiltOnThread("engine-loop", lambda: LLMEngine(config))
+        return cls(loop.value, _loop=loop, **kwargs)
 
     # ---- what the frontends may read ------------------------------------------------------
     @property

@@ -24,8 +24,9 @@ Models (built once into ~/.cache/appliance-bench/models, or APPLIANCE_BENCH_CACH
 - `micro`: the same recipe at toy size (hidden 128, 2 layers, 4 heads / 2 KV heads,
   head_dim 32, SmolLM2's tokenizer; 6.7M parameters, nearly all embeddings): for `--quick` runs that include vLLM, whose CPU attention needs a
   head size of 32 or more (the `tiny` model's is 16).
-- `smollm2`: the default model (SmolLM2-135M-Instruct), the converted fp32 HF dir from
-  `engine.worker.models.loader.resolve_model_path(None)`.
+- `smollm2`: the default model (SmolLM2-135M-Instruct), its GGUF dequantized to a float32
+  safetensors checkpoint (bench/float_checkpoint.py; the directory
+  `engine.worker.models.loader.resolve_model_path(None)` converts holds no weights).
 
     python bench/workloads.py --build llama50m     # build/print a model dir
     python bench/workloads.py --show w64           # print a workload summary
@@ -203,8 +204,10 @@ def _build_random_llama(out: Path, shape: dict[str, Any]) -> None:
 
 def ensure_model(name: str) -> Path:
     """The checkpoint dir for `name` (built on first use), or `name` itself if it is a path."""
-    if name == "smollm2":
-        return smollm2_dir()
+    if name == "smollm2":  # the float32 checkpoint (the converted dir holds no weights)
+        from bench.float_checkpoint import smollm2_float_dir
+
+        return smollm2_float_dir()
     if name != "tiny" and name not in RANDOM_LLAMAS:
         p = Path(name)
         if p.exists():

@@ -22,7 +22,9 @@ in turn (A B C A B C ...), so a drift in the shared box's load falls on every en
 the 64-stream runs follow one server at a time (the others idle: neither llama-server nor
 our engine thread spins without work). Engines: `ours` (the GGUF kept quantized, the
 default config: bf16 activations where the CPU computes bf16 natively), `ours-q-fp32act`
-(the same blocks, float32 activations), `ours-fp32` / `ours-bf16` (`quantization: none`,
+(the same blocks, float32 activations), `ours-i8act` (float32 activations rounded to
+int8 for the block kernels, `model.quant_activations: int8`: llama.cpp's numerics),
+`ours-i8act-bf16` (the same with the default dtype), `ours-fp32` / `ours-bf16` (`quantization: none`,
 the GGUF dequantized by `gguf.quants` to float32 / bfloat16: the old path), `llama.cpp`.
 
     python bench/serving_llamacpp.py                      # ours vs llama.cpp, 2 threads
@@ -59,16 +61,18 @@ def default_gguf() -> str:
     return str(default_model_gguf())
 
 
-# Our engines: name -> (model.quantization, model.dtype).
-OURS = {"ours": ("auto", "auto"), "ours-q-fp32act": ("auto", "float32"),
-        "ours-fp32": ("none", "float32"), "ours-bf16": ("none", "bfloat16")}  # fmt: skip
+# Our engines: name -> (model.quantization, model.dtype, model.quant_activations).
+OURS = {"ours": ("auto", "auto", "auto"), "ours-q-fp32act": ("auto", "float32", "auto"),
+        "ours-i8act": ("auto", "float32", "int8"), "ours-i8act-bf16": ("auto", "auto", "int8"),
+        "ours-fp32": ("none", "float32", "auto"),
+        "ours-bf16": ("none", "bfloat16", "auto")}  # fmt: skip
 
 
 def ours(name: str, gguf: str, threads: int, port: int) -> Server:
-    quantization, dtype = OURS[name]
+    quantization, dtype, acts = OURS[name]
     sets = {
         "model.path": gguf, "model.served_name": "bench", "model.quantization": quantization,
-        "model.dtype": dtype, "runtime.device": "cpu", "runtime.num_threads": threads,
+        "model.dtype": dtype, "model.quant_activations": acts, "runtime.device": "cpu", "runtime.num_threads": threads,
         "scheduler.max_num_seqs": 64, "server.host": "127.0.0.1", "server.http_port": port,
         "server.grpc_port": "null",
     }  # fmt: skip

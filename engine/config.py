@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
+QUANT_ACTIVATIONS = ("auto", "float", "int8")
 KV_DTYPES = ("auto", "fp8_e4m3")
 SCHEDULING_POLICIES = ("auto", "fcfs", "priority", "fair", "deadline")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
@@ -63,6 +64,11 @@ class ModelConfig:
     quantization: str = "auto"
     # int4's group width (a multiple of 32 dividing every linear's input width).
     quantization_group: int = 32
+    # What the CPU block kernels multiply q4/q8 weights with: float (fp32 products, exactly
+    # the dequantized weights' result; what auto means) or int8 (activations rounded to
+    # 8 bits per 32 values, integer dot products at small batches, as llama.cpp does:
+    # faster at 1-3 rows, not exact; see docs/quantization.md).
+    quant_activations: str = "auto"
     # generate | embed | auto (a sentence-transformers directory or a bare decoder such as
     # Qwen3Model embeds, anything else generates). See engine/worker/pooling/spec.py.
     task: str = "auto"
@@ -82,6 +88,11 @@ class ModelConfig:
             self.quantization in QUANTIZATIONS,
             "model.quantization",
             f"must be one of {QUANTIZATIONS}",
+        )
+        _require(
+            self.quant_activations in QUANT_ACTIVATIONS,
+            "model.quant_activations",
+            f"must be one of {QUANT_ACTIVATIONS}",
         )
         _require(
             self.quantization_group > 0 and self.quantization_group % 32 == 0,

@@ -60,6 +60,7 @@ _OVERRIDES = {
     "tokenizer": ("model", "tokenizer"),
     "quantization": ("model", "quantization"),
     "quantization_group": ("model", "quantization_group"),
+    "quant_activations": ("model", "quant_activations"),
     "kv_cache_dtype": ("cache", "kv_dtype"),
     "block_size": ("cache", "block_size"),
     "num_kv_blocks": ("cache", "num_kv_blocks"),

@@ -30,7 +30,9 @@ import torch  # noqa: F401 - loads torch's libgomp before ours is resolved
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention.c", "fused_ops.c", "cache_write.c", "quant_linear.c")
+SOURCES = (
+    "paged_attention.c", "fused_ops.c", "cache_write.c", "quant_linear.c", "quant_linear_i8.c",
+)  # fmt: skip
 FLAGS = [
     "-O3",
     "-march=native",
@@ -51,10 +53,11 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "rope_inplace": [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i64, _i32, _i32],
     "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
     "quant_linear": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
+    "quant_linear_i8": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "quant_dequantize": [_ptr, _i32, _i64, _i64, _ptr, _i32],
 }  # fmt: skip
 
-_RETURNS_INT = ("paged_attention", "quant_linear")
+_RETURNS_INT = ("paged_attention", "quant_linear", "quant_linear_i8")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

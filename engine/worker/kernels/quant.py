@@ -22,13 +22,17 @@ def linear(
     kind: int,  # 4 (q4) or 8 (q8)
     cols: int,  # K
     bias: torch.Tensor | None,  # fp32 [N]
+    int8_activations: bool = False,
 ) -> torch.Tensor:  # [M, N] fp32
+    """`int8_activations`: csrc/quant_linear_i8.c (x quantized per 32-value block, integer
+    dot products) instead of csrc/quant_linear.c (fp32 products)."""
     lib = library()
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, n = x.shape[0], data.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.quant_linear(
+    fn = lib.quant_linear_i8 if int8_activations else lib.quant_linear
+    rc = fn(
         x.data_ptr(), x.stride(0), data.data_ptr(), kind, n, cols,
         bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m,
         torch.get_num_threads(),
@@ -50,9 +54,17 @@ class BoundLinear:
     pointers and sizes bound once, so a decode step's call is one allocation and one
     ctypes call (a batch-1 step makes ~120 of them on SmolLM2)."""
 
-    def __init__(self, data: torch.Tensor, kind: int, cols: int, bias: torch.Tensor | None):
+    def __init__(
+        self,
+        data: torch.Tensor,
+        kind: int,
+        cols: int,
+        bias: torch.Tensor | None,
+        int8_activations: bool = False,
+    ):
         self._keep = (data, bias)  # the pointers below stay valid while these live
-        self._fn = library().quant_linear
+        lib = library()
+        self._fn = lib.quant_linear_i8 if int8_activations else lib.quant_linear
         self._args = (data.data_ptr(), kind, data.shape[0], cols,
                       bias.data_ptr() if bias is not None else None)  # fmt: skip
         self.out_features = data.shape[0]

@@ -304,6 +304,7 @@ def load_model(
         hf_config=hf_config,
         device=device,
         group=model_config.quantization_group,
+        activations=model_config.quant_activations,
     )
     arch = resolve_architecture(getattr(hf_config, "architectures", None) or [])
     task = resolve_task(model_config.task, model_dir, arch.name, arch.bare)

@@ -137,3 +137,13 @@ def concat_rows(parts: list[BlockTensor]) -> BlockTensor:
     if len(kinds) != 1 or len(cols) != 1:
         raise ValueError("fused projections must share one block format and width")
     return BlockTensor(parts[0].kind, torch.cat([p.data for p in parts]), parts[0].cols)
+
+
+def round_activations_int8(x: torch.Tensor) -> torch.Tensor:
+    """fp32 rows [M, K] rounded to 8 bits per 32 values exactly as csrc/quant_linear_i8.c
+    rounds them (in fp32: d = max|x| / 127, q = round-half-even(x * (1 / d)), x~ = q d), so
+    the dense large-batch path multiplies the same activations as the int8 kernel."""
+    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).view(x.shape)

@@ -37,12 +37,15 @@ def install(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
             shard_sizes=sizes, target=plan.head if head else plan.layers, group=plan.group,
             scratch=scratch, dtype=dtype,
         )))  # fmt: skip
+        if cls is QuantLinear:
+            replace[-1][1].int8_activations = plan.int8_activations
     emb = model.model.embed_tokens
     qe = QuantEmbedding(emb.num_embeddings, emb.embedding_dim, emb.tp, emb.vocab_start, dtype)
     # Tied, the embedding is the LM head too and is quantized like one; untied it is only
     # looked up (a GGUF's blocks stay blocks, float stays float).
     qe.linear.target = plan.head if getattr(model, "lm_head", None) is None else None
     qe.linear.scratch = scratch
+    qe.linear.int8_activations = plan.int8_activations
     replace.append(("model.embed_tokens", qe))
     for name, new in replace:
         parent_name, _, attr = name.rpartition(".")

@@ -14,15 +14,23 @@ by row, and after the load (`finalize`) holds one of:
 The kernel choice by row count lives here and only here (`QuantLinear.forward`), on the
 CPU with the kernel library loaded:
 
-    rows <  DENSE_ROWS   csrc/quant_linear.c: reads each block once per 4 rows and widens
-                         it in registers (one row costs the quantized bytes)
+    rows <  DENSE_ROWS   csrc/quant_linear.c (`model.quant_activations` float, the
+                         default): each block widened to fp32 in registers, exactly the
+                         dequantized weights' products; or csrc/quant_linear_i8.c (int8):
+                         the rows rounded to int8 per 32 values, then at 1-3 rows one
+                         byte-wise multiply-add per block, from 4 rows the rounded rows
+                         through the fp32 kernel. Both read each block once per 4 rows
     rows >= DENSE_ROWS   dequantize into a scratch buffer shared by the model's layers,
                          then the dense fp32 GEMM (MKL's cache blocking wins once a weight
                          pass is amortized over many rows; the buffer holds one layer)
 
-The same rule on every x86 ISA: the kernel is AVX2 + FMA + F16C code, used as is on
-AVX-512 and AMX machines (bf16 activations are widened to fp32 for it and the result
-rounded back). Without the kernel library (no compiler, `runtime.cpu_kernels: false`) every
+The same rule on every x86 ISA: the kernels are AVX2 + FMA + F16C code (the int8 one
+uses VNNI's `dpbusd` where the compiler targets AVX512-VNNI or AVX-VNNI, `maddubs` +
+`madd` otherwise), used as is on AVX-512 and AMX machines (bf16 activations are widened to
+fp32 for them and the result rounded back). With int8 activations the dense path rounds
+the rows the same way before its GEMM (`round_activations_int8`), so both sides of the
+rule compute the same product and a request's tokens do not depend on its batch.
+Without the kernel library (no compiler, `runtime.cpu_kernels: false`) every
 call dequantizes and uses F.linear: correct, slow, logged once at load.
 """
 
@@ -44,6 +52,7 @@ from engine.worker.quant.blocks import (
     dequantize,
     quantize_q4,
     quantize_q8,
+    round_activations_int8,
 )
 
 logger = logging.getLogger(__name__)
@@ -105,6 +114,8 @@ class QuantLinear(nn.Module):
         self._biases: dict[str, torch.Tensor] = {}
         self.finalized = False
         self._bound: qkernels.BoundLinear | None = None  # the small-rows kernel, bound
+        # Small batches on int8 activations (csrc/quant_linear_i8.c) rather than fp32 ones.
+        self.int8_activations = False
 
     # ---- loading ------------------------------------------------------------------------
     def load_tensor(self, leaf: str, shard: str | None, tensor: torch.Tensor | BlockTensor):
@@ -150,7 +161,9 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().float().contiguous(), requires_grad=False)
         if qkernels.available():
-            self._bound = qkernels.BoundLinear(self.qdata, self.kind, self.in_features, self.bias)
+            self._bound = qkernels.BoundLinear(
+                self.qdata, self.kind, self.in_features, self.bias, self.int8_activations
+            )
         return _NAMES[blocks.kind]
 
     def weight_bytes(self) -> int:
@@ -175,8 +188,12 @@ class QuantLinear(nn.Module):
         if rows == 0:
             y = x2.new_empty(0, self.out_features)
         elif rows < DENSE_ROWS and qkernels.available():
-            y = qkernels.linear(x2, self.qdata, self.kind, self.in_features, self.bias)
+            y = qkernels.linear(
+                x2, self.qdata, self.kind, self.in_features, self.bias, self.int8_activations
+            )
         else:
+            if self.int8_activations:  # the same activations the int8 kernel multiplies
+                x2 = round_activations_int8(x2)
             y = F.linear(x2, self._dense_weight(), self.bias)
         return y.to(x.dtype).view(*lead, self.out_features)
 

@@ -13,6 +13,7 @@ Every refusal is a `ConfigError` naming the key, raised at start, never in a req
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,16 +36,19 @@ class QuantPlan:
     layers: int | None = None
     head: int | None = None
     group: int = BLOCK
+    # The CPU block kernels quantize activations to int8 at small batches (else fp32).
+    int8_activations: bool = False
 
     def describe(self) -> str:
         if not self.blocks:
             return f"quantization {self.method}: float weights"
+        acts = "; activations int8 per 32 values at small batches" if self.int8_activations else ""
         if self.method == "gguf":
-            return "quantization auto: the GGUF's quantized tensors kept in block formats"
+            return "quantization auto: the GGUF's quantized tensors kept in block formats" + acts
         if self.method == "fp8":
             return "quantization fp8: linears e4m3 with per-channel scales, LM head as loaded"
         return f"quantization {self.method}: layers {_name(self.layers, self.group)}, " + (
-            f"embedding/LM head {_name(self.head, BLOCK)}"
+            f"embedding/LM head {_name(self.head, BLOCK)}{acts}"
         )
 
 
@@ -63,10 +67,22 @@ def resolve_plan(
     hf_config: Any,
     device: torch.device,
     group: int = BLOCK,
+    activations: str = "float",
 ) -> QuantPlan:
     """The plan for `model.quantization` = `requested` on this checkpoint and device.
 
-    `gguf_quantized`: the checkpoint is a GGUF with at least one quantized 2-D tensor."""
+    `gguf_quantized`: the checkpoint is a GGUF with at least one quantized 2-D tensor.
+    `activations` (`model.quant_activations`): int8 puts the CPU block kernels on int8
+    activations (csrc/quant_linear_i8.c); float or auto keeps fp32 products."""
+    plan = _resolve_plan(requested, gguf_quantized, hf_config, device, group)
+    if plan.blocks and plan.method != "fp8" and activations == "int8":
+        return dataclasses.replace(plan, int8_activations=True)
+    return plan
+
+
+def _resolve_plan(
+    requested: str, gguf_quantized: bool, hf_config: Any, device: torch.device, group: int
+) -> QuantPlan:
     if requested not in METHODS:
         raise ConfigError("model.quantization", f"must be one of {', '.join(METHODS)}")
     refuse_prequantized(hf_config)

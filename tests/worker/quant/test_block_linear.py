@@ -16,6 +16,7 @@ from engine.worker.quant.blocks import (
     pack_q4,
     quantize_q4,
     quantize_q8,
+    round_activations_int8,
 )
 from engine.worker.quant.linear import QuantLinear
 
@@ -65,9 +66,38 @@ def test_block_kernel_equals_the_dequantized_product(kind, rows):
     torch.testing.assert_close(y.double(), expected, atol=2e-6, rtol=1e-5)
 
 
-def _layer(w, kind, bias=None, shard_sizes=None):
+@needs_kernels
+@pytest.mark.parametrize("kind", [Q4, Q8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_int8_activation_kernel_is_the_weights_times_the_rounded_rows(kind, rows):
+    """The integer path computes the dequantized weights times the activations rounded to
+    int8 per 32 values (`round_activations_int8`, the dense path's rounding)."""
+    w = _w(n=40, k=96)
+    t = quantize_q4(w) if kind == Q4 else quantize_q8(w)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(40)
+    y = qkernels.linear(x, t.data, kind, 96, bias, int8_activations=True)
+    wd = dequantize(t).double()
+    expected = round_activations_int8(x).double() @ wd.t() + bias.double()
+    torch.testing.assert_close(y.double(), expected, atol=2e-6, rtol=1e-5)
+    exact = x.double() @ wd.t() + bias.double()
+    assert float((y.double() - exact).abs().max()) > 1e-5  # it is not the fp32 path
+
+
+@pytest.mark.parametrize("rows", [1, qlinear.DENSE_ROWS - 1, qlinear.DENSE_ROWS, 70])
+def test_int8_activations_give_one_answer_on_both_sides_of_the_row_rule(rows):
+    w, bias = _w(n=64, k=96), torch.randn(64)
+    layer = _layer(w, Q4, bias, int8=True)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(2))
+    wd = dequantize(BlockTensor(Q4, layer.qdata, 96)).double()
+    expected = round_activations_int8(x).double() @ wd.t() + bias.double()
+    torch.testing.assert_close(layer(x).double(), expected, atol=2e-5, rtol=1e-4)
+
+
+def _layer(w, kind, bias=None, shard_sizes=None, int8=False):
     n, k = w.shape
     layer = QuantLinear(k, n, bias is not None, target=kind, shard_sizes=shard_sizes)
+    layer.int8_activations = int8
     if shard_sizes is None:
         layer.load_tensor("weight", None, w)
         if bias is not None:

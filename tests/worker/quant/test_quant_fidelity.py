@@ -28,7 +28,13 @@ from engine.worker.kernels import quant as qkernels
 from engine.worker.models import gguf_loader
 from engine.worker.models.default_model import default_model_gguf
 from engine.worker.models.loader import load_model
-from engine.worker.quant.blocks import dequantize, quantize_q4, quantize_q8
+from engine.worker.quant.blocks import (
+    BlockTensor,
+    dequantize,
+    quantize_q4,
+    quantize_q8,
+    round_activations_int8,
+)
 from engine.worker.quant.linear import QuantLinear
 from tests.support.paged_harness import PagedRun
 from tests.support.tiny_models import _hf_model, make_tiny_gguf
@@ -43,6 +49,13 @@ REGRID_TOL = {"Q5_1": 0.5}
 AT_LOAD_TOL = {"int8": 2e-5, "int4": 2e-5}
 QUANT_ERROR_TOL = {"int8": 0.45, "int4": 3.8}
 DEFAULT_MODEL_TOL = 2e-4
+# The int8-activation kernel (the default at small batches): measured, not exact.
+# Relative to the layer's largest output (measured 4.2e-07 Q4_1, 1.2e-07 Q8_0, 1.2e-06 the
+# default model, 2026-12-04).
+INT8_ACT_TOL = {"Q4_1": 5e-6, "Q8_0": 5e-6}
+# What rounding activations to int8 costs on the default model: max |dlogprob| over the
+# reference's 10 most likely tokens per position (not a kernel check: a measured bound).
+DEFAULT_MODEL_INT8_COST = 1.0  # measured 0.51 (1.09 over the whole vocabulary)
 
 needs_kernels = pytest.mark.skipif(not qkernels.available(), reason="no C compiler")
 
@@ -91,9 +104,75 @@ def test_gguf_blocks_track_ggufs_own_dequantized_weights(
 ):
     path = str(make_tiny_gguf(tiny_llama_dir, tmp_path / f"tiny-{qtype}.gguf", qtype=qtype))
     ref = logprobs(load_model(ModelConfig(path=path, quantization="none", dtype="float32"), CPU))
-    kept = load_model(ModelConfig(path=path, dtype="float32"), CPU)
+    kept = load_model(ModelConfig(path=path, dtype="float32", quant_activations="float"), CPU)
     assert isinstance(kept.model.model.layers[0].mlp.down_proj, QuantLinear)
     check_and_perturb(kept, ref, GGUF_TOL[qtype], qtype)
+
+
+def _layer_inputs(loaded, seq) -> dict[str, torch.Tensor]:
+    """The input each QuantLinear of `loaded` multiplies in a forward over `seq`."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda m, a, name=name: seen.setdefault(name, a[0].detach().float().clone())
+        )
+        for name, module in loaded.model.named_modules()
+        if isinstance(module, QuantLinear)
+    ]
+    logprobs(loaded, seq)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def check_int8_layers(loaded, seq, tol: float, what: str) -> None:
+    """Every quantized layer on the activations the model really feeds it, one row (the
+    integer kernel) and every row (the rounded rows through the fp32 kernel): within `tol`
+    of gguf-independent math, the dequantized blocks times `round_activations_int8` of
+    those rows, relative to the layer's largest output; >= 3x `tol` off once one group's
+    scale is off by 1.5x. Per layer, not end to end: rounding is discontinuous, so any
+    fp32-level difference upstream (another summation order) moves some values across a
+    rounding boundary and no end-to-end reference can be matched that closely."""
+    worst = 0.0
+    for name, x in _layer_inputs(loaded, seq).items():
+        layer: QuantLinear = loaded.model.get_submodule(name)
+        w = dequantize(BlockTensor(layer.kind, layer.qdata, layer.in_features)).double()
+        for rows in (1, x.shape[0]):
+            y = layer(x[:rows].contiguous()).double()
+            expected = round_activations_int8(x[:rows]).double() @ w.t()
+            if layer.bias is not None:
+                expected += layer.bias.double()
+            scale = float(expected.abs().max()) or 1.0
+            worst = max(worst, float((y - expected).abs().max()) / scale)
+    print(f"{what}: worst layer |y - rounded x @ W| / max|y| {worst:.2e}")
+    assert worst <= tol
+    name = "model.layers.0.mlp.down_proj"
+    x = _layer_inputs(loaded, seq)[name][:1].contiguous()
+    layer = loaded.model.get_submodule(name)
+    before = layer(x).double()
+    perturb_one_group(loaded.model, name)
+    off = float((layer(x).double() - before).abs().max()) / float(before.abs().max())
+    print(f"{what}: one scale x1.5 -> {off:.2e}")
+    assert off >= 3 * tol
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", sorted(INT8_ACT_TOL))
+def test_int8_activations_compute_the_blocks_times_the_rounded_activations(
+    qtype, tiny_llama_dir, tmp_path, gguf_cache
+):
+    """The default small-batch kernel rounds activations to int8 per 32 values (the
+    dense path rounds them the same way): checked layer by layer (`check_int8_layers`)."""
+    path = str(make_tiny_gguf(tiny_llama_dir, tmp_path / f"tiny-{qtype}.gguf", qtype=qtype))
+    kept = load_model(ModelConfig(path=path, dtype="float32", quant_activations="int8"), CPU)
+    assert kept.model.model.layers[0].mlp.down_proj.int8_activations
+    check_int8_layers(kept, SEQ, INT8_ACT_TOL[qtype], f"{qtype} int8 activations")
+
+
+def top_k_diff(lp: torch.Tensor, ref: torch.Tensor, k: int = 10) -> float:
+    """max |dlogprob| over the reference's k most likely tokens at every position."""
+    idx = ref.topk(k, -1).indices
+    return float((lp.gather(-1, idx) - ref.gather(-1, idx)).abs().max())
 
 
 def _hf_on_quantized_weights(model_dir, method: str):
@@ -127,7 +206,12 @@ def test_regridded_gguf_types_stay_within_their_measured_error(
     one perturbed group drowns in it, so this is a bound, not a kernel check."""
     path = str(make_tiny_gguf(tiny_llama_dir, tmp_path / f"tiny-{qtype}.gguf", qtype=qtype))
     ref = logprobs(load_model(ModelConfig(path=path, quantization="none", dtype="float32"), CPU))
-    diff = max_diff(logprobs(load_model(ModelConfig(path=path, dtype="float32"), CPU)), ref)
+    diff = max_diff(
+        logprobs(
+            load_model(ModelConfig(path=path, dtype="float32", quant_activations="float"), CPU)
+        ),
+        ref,
+    )
     print(f"{qtype} (re-gridded to q8): max |dlogprob| {diff:.2e}")
     assert diff <= REGRID_TOL[qtype]
 
@@ -140,8 +224,10 @@ def test_quantized_at_load_computes_what_transformers_computes_on_those_weights(
 ):
     model_dir = tiny_checkpoint(arch, tie_word_embeddings=arch == "qwen3")
     ref = _hf_logprobs(_hf_on_quantized_weights(model_dir, method))
-    loaded = load_model(ModelConfig(path=str(model_dir), quantization=method, dtype="float32"), CPU)
-    check_and_perturb(loaded, ref, AT_LOAD_TOL[method], f"{arch} {method}")
+    config = ModelConfig(
+        path=str(model_dir), quantization=method, dtype="float32", quant_activations="float"
+    )
+    check_and_perturb(load_model(config, CPU), ref, AT_LOAD_TOL[method], f"{arch} {method}")
 
 
 @pytest.mark.parametrize("method", sorted(QUANT_ERROR_TOL))
@@ -151,8 +237,10 @@ def test_quantization_error_against_the_float_checkpoint_is_bounded(method, arch
     large logits (weights std 0.15), so int4's error here is far above a trained model's."""
     model_dir = tiny_checkpoint(arch, tie_word_embeddings=arch == "qwen3")
     ref = _hf_logprobs(_hf_model(str(model_dir.resolve())))
-    loaded = load_model(ModelConfig(path=str(model_dir), quantization=method, dtype="float32"), CPU)
-    diff = max_diff(logprobs(loaded, chunk=4), ref)
+    config = ModelConfig(
+        path=str(model_dir), quantization=method, dtype="float32", quant_activations="float"
+    )
+    diff = max_diff(logprobs(load_model(config, CPU), chunk=4), ref)
     print(f"{arch} {method}: max |dlogprob| vs the float checkpoint {diff:.3e}")
     assert diff <= QUANT_ERROR_TOL[method]
 
@@ -171,11 +259,20 @@ def _default_installed() -> bool:
 def test_default_model_q4_1_tracks_its_gguf_dequantized_float32():
     seq = [1, 9690, 28, 346, 314, 253, 1789, 30, 378, 3575, 282, 4649, 314, 7042, 30] * 2
     ref = logprobs(load_model(ModelConfig(quantization="none", dtype="float32"), CPU), seq)
-    kept = load_model(ModelConfig(dtype="float32"), CPU)
+    kept = load_model(ModelConfig(dtype="float32", quant_activations="float"), CPU)
     diff = max_diff(logprobs(kept, seq, chunk=5), ref)
-    print(f"default model Q4_1: max |dlogprob| {diff:.2e}")
+    print(f"default model Q4_1, float activations: max |dlogprob| {diff:.2e}")
     assert diff <= DEFAULT_MODEL_TOL
     perturb_one_group(kept.model, "model.layers.0.self_attn.qkv_proj")
     off = max_diff(logprobs(kept, seq, chunk=5), ref)
-    print(f"default model: one scale x1.5 -> {off:.2e}")
+    print(f"default model, float activations: one scale x1.5 -> {off:.2e}")
     assert off >= 3 * DEFAULT_MODEL_TOL
+    # int8 activations (the default): the kernels layer by layer on the model's own
+    # activations, then what the rounding costs end to end (a measured bound).
+    kept = load_model(ModelConfig(dtype="float32", quant_activations="int8"), CPU)
+    lp = logprobs(kept, seq, chunk=5)
+    cost_all, cost_top = max_diff(lp, ref), top_k_diff(lp, ref)
+    print(f"default model, int8 activations: max |dlogprob| {cost_all:.2e} over the "
+          f"vocabulary, {cost_top:.2e} over the reference's top 10")  # fmt: skip
+    assert cost_top <= DEFAULT_MODEL_INT8_COST
+    check_int8_layers(kept, seq, INT8_ACT_TOL["Q4_1"], "default model int8 activations")

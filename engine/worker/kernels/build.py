@@ -55,6 +55,7 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "quant_linear": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "quant_linear_i8": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "quant_dequantize": [_ptr, _i32, _i64, _i64, _ptr, _i32],
+    "quant_dequantize_bf16": [_ptr, _i32, _i64, _i64, _ptr, _i32],
 }  # fmt: skip
 
 _RETURNS_INT = ("paged_attention", "quant_linear", "quant_linear_i8")

@@ -43,9 +43,10 @@ def linear(
 
 
 def dequantize_into(data: torch.Tensor, kind: int, cols: int, out: torch.Tensor) -> torch.Tensor:
-    """Blocks -> `out` fp32 [N, K] (contiguous), returned."""
-    library().quant_dequantize(data.data_ptr(), kind, data.shape[0], cols, out.data_ptr(),
-                               torch.get_num_threads())  # fmt: skip
+    """Blocks -> `out` [N, K] (contiguous, fp32 or bf16: rounded to nearest even), returned."""
+    lib = library()
+    fn = lib.quant_dequantize_bf16 if out.dtype == torch.bfloat16 else lib.quant_dequantize
+    fn(data.data_ptr(), kind, data.shape[0], cols, out.data_ptr(), torch.get_num_threads())
     return out
 
 

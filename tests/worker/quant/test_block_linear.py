@@ -141,3 +141,26 @@ def test_columns_slice_only_at_block_boundaries():
         t.narrow(1, 48, 96, 48)
     padded = t.narrow(0, 40, 56, 16)  # past the last row: zero rows
     assert padded.rows == 16 and bool((dequantize(padded)[8:] == 0).all())
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", [Q4, Q8])
+def test_the_bf16_copy_is_the_blocks_rounded_to_bf16(kind):
+    w = _w(n=40, k=96)
+    t = quantize_q4(w) if kind == Q4 else quantize_q8(w)
+    out = qkernels.dequantize_into(t.data, kind, 96, torch.empty(40, 96, dtype=torch.bfloat16))
+    ref = dequantize(t, torch.bfloat16)
+    # the same fp32 value rounded to nearest even (an FMA in d q + m may move one ulp)
+    torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2**-8)
+
+
+@needs_kernels
+def test_bf16_activations_at_many_rows_run_the_bf16_gemm_on_the_bf16_copy():
+    w, bias = _w(n=64, k=96), torch.randn(64)
+    layer = _layer(w, Q4, bias)
+    x = torch.randn(qlinear.DENSE_ROWS + 6, 96, generator=torch.Generator().manual_seed(3))
+    y = layer(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    wd = dequantize(BlockTensor(Q4, layer.qdata, 96), torch.bfloat16).double()
+    expected = x.bfloat16().double() @ wd.t() + bias.bfloat16().double()
+    torch.testing.assert_close(y.double(), expected, atol=3e-2, rtol=1e-2)

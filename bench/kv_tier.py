@@ -3,7 +3,8 @@ cold reads, a restart warm vs cold, throughput when nothing is reused, and vLLM 
 own KV offloading on the same workload where it starts (issue 30; docs/kv_tiers.md).
 
 Workload (multi-turn, Poisson): `--conversations` conversations of `--turns` turns on one
-shared `--system`-token system prompt. A turn's prompt is the system prompt, every earlier
+shared `--system`-token system prompt (or `--system-prompts` distinct ones, conversation i
+on number i mod their count). A turn's prompt is the system prompt, every earlier
 turn (its user tokens and `--answer` assistant tokens) and `--user` new tokens; it asks for
 `--answer` tokens (greedy, ignore EOS). Conversations start at Poisson times (`--rate` per
 second) and wait an exponential think time (`--think` s mean) between turns. TTFT is read
@@ -80,10 +81,14 @@ GOALS = {"returning_ttft_speedup": 3.0, "restart_ttft_speedup": 5.0, "no_reuse_r
 # ---- the workload ------------------------------------------------------------------------------
 
 
-def conversations(args: argparse.Namespace, seed: int) -> tuple[list[int], list[list[list[int]]]]:
-    """(system prompt, per conversation per turn: the turn's new user+assistant tokens)."""
+def conversations(
+    args: argparse.Namespace, seed: int
+) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """(the `--system-prompts` system prompts, conversation i using number i mod their
+    count; per conversation per turn: the turn's new user+assistant tokens)."""
     rng = random.Random(seed)
-    system = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(args.system)]
+    systems = [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(args.system)]
+               for _ in range(args.system_prompts)]  # fmt: skip
     convs = []
     for _ in range(args.conversations):
         turns = []
@@ -92,7 +97,7 @@ def conversations(args: argparse.Namespace, seed: int) -> tuple[list[int], list[
             answer = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(args.answer)]
             turns.append([user, answer])
         convs.append(turns)
-    return system, convs
+    return systems, convs
 
 
 def turn_prompt(system: list[int], turns: list[list[list[int]]], k: int) -> list[int]:
@@ -104,7 +109,8 @@ def turn_prompt(system: list[int], turns: list[list[list[int]]], k: int) -> list
 
 
 def working_set_tokens(args: argparse.Namespace) -> int:
-    return args.system + args.conversations * args.turns * (args.user + args.answer)
+    systems = min(args.system_prompts, args.conversations)
+    return systems * args.system + args.conversations * args.turns * (args.user + args.answer)
 
 
 async def one_request(client: Any, url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -132,14 +138,15 @@ async def run_multi_turn(url: str, args: argparse.Namespace, seed: int, turns: r
     """Every conversation's turns in `turns`, conversations overlapping (Poisson)."""
     import httpx
 
-    system, convs = conversations(args, seed)
+    systems, convs = conversations(args, seed)
     rng = random.Random(seed + 1)
     out: list[dict] = []
 
     async def conversation(i: int, start: float, client: Any) -> None:
         await asyncio.sleep(start)
         for k in turns:
-            res = await one_request(client, url, turn_prompt(system, convs[i], k), args.answer)
+            prompt = turn_prompt(systems[i % len(systems)], convs[i], k)
+            res = await one_request(client, url, prompt, args.answer)
             out.append({"conv": i, "turn": k, **res})
             if k != turns[-1]:
                 await asyncio.sleep(rng.expovariate(1.0 / args.think) if args.think else 0)
@@ -228,7 +235,7 @@ def measure(name: str, fn, *a) -> tuple[Any, dict]:
 def record(args, config: str, repeat: int, **fields: Any) -> None:
     rec = base_record("kv_tier")
     rec.update(config=config, repeat=repeat, label=args.quick_label, versions=versions(),
-               workload={k: getattr(args, k) for k in ("conversations", "turns", "system", "user",
+               workload={k: getattr(args, k) for k in ("conversations", "turns", "system", "system_prompts", "user",
                          "answer", "rate", "think", "pool_fraction", "max_model_len", "threads")},
                **fields)  # fmt: skip
     write_jsonl(OUT, rec)
@@ -333,6 +340,12 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system", type=int, default=2000)
+    p.add_argument(
+        "--system-prompts",
+        type=int,
+        default=1,
+        help="distinct system prompts (conversation i uses i mod this)",
+    )
     p.add_argument("--user", type=int, default=64)
     p.add_argument("--answer", type=int, default=32)
     p.add_argument("--rate", type=float, default=0.5, help="conversations started per second")

@@ -7,6 +7,10 @@ bench/float_checkpoint.py as in bench/spec_copy.py, 2 threads), all up together,
     none          no speculation
     ngram-fixed   n-gram prompt lookup, k = 4 on every decode (`adaptive: false`)
     ngram         the same with the adaptive rule (engine/core/spec/adaptive.py), the default
+    vllm-none     vLLM CPU's OpenAI server (bench/peers/setup_vllm.py's venv, bench/servers.py's
+                  command: same checkpoint, dtype, threads, max_num_seqs), no speculation
+    vllm-ngram    the same with `--speculative-config` n-gram k 4 (lookup 4, as vLLM
+                  resolves its defaults), the peer of the issue's goals
 
 Workloads, each sent to every server in turn (the order rotated by round, so a drift in the
 box's load falls on all alike):
@@ -24,6 +28,7 @@ Every request's text is kept: for each (workload, request) the servers' greedy o
 be identical (`greedy_identical`). One JSON line goes to bench/results/spec_served.jsonl.
 
     python bench/spec_served.py                      # ~6 minutes on 2 cores
+    python bench/spec_served.py --configs none,ngram-fixed,ngram,vllm-none,vllm-ngram
     python bench/spec_served.py --rates 1 --duration 10 --saturation-requests 16
 """
 
@@ -47,7 +52,8 @@ if str(ROOT) not in sys.path:
 
 from bench.common import RESULTS_DIR, LoadMeter, base_record, log, write_jsonl  # noqa: E402
 from bench.float_checkpoint import smollm2_float_dir  # noqa: E402
-from bench.servers import Server, free_port  # noqa: E402
+from bench.peers import setup_vllm  # noqa: E402
+from bench.servers import Server, ServerSettings, free_port, vllm_command  # noqa: E402
 from bench.serving_stats import PROMPTS  # noqa: E402
 from bench.spec_copy import copy_messages  # noqa: E402
 
@@ -70,8 +76,24 @@ class Result:
     times: list[float] = field(default_factory=list, repr=False)
 
 
+VLLM_SPEC = {"vllm-none": None,
+             "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 4,
+                            "prompt_lookup_max": 4}}  # fmt: skip
+
+
 def start(name: str, model: str, threads: int) -> Server:
     port = free_port()
+    if name in VLLM_SPEC:
+        st = setup_vllm.state()
+        if not st["ok"]:
+            raise RuntimeError(f"vLLM peer not installed: {st['error']}")
+        settings = ServerSettings(model=model, dtype="float32", kv_cache_gib=1, threads=threads,
+                                  max_num_seqs=64, max_num_batched_tokens=2048,
+                                  max_model_len=2048)  # fmt: skip
+        cmd, env = vllm_command(st["python"], settings, port)
+        if VLLM_SPEC[name] is not None:
+            cmd += ["--speculative-config", json.dumps(VLLM_SPEC[name])]
+        return Server(name, cmd, env, port)
     sets = {
         "model.path": model, "model.served_name": "bench", "model.dtype": "float32",
         "runtime.device": "cpu", "runtime.num_threads": threads, "scheduler.max_num_seqs": 64,

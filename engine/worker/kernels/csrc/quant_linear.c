@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_blocks.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QL_AVX2 1
@@ -30,49 +32,9 @@
 #define QL_AVX512 1
 #endif
 
-#define QBLOCK 32
-#define Q4_BYTES 20
-#define Q8_BYTES 34
 #define ROW_TILE 4
 
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f,
-                   man = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man) { /* subnormal: normalize */
-        int e = -1;
-        uint32_t m = man;
-        do {
-            e++;
-            m <<= 1;
-        } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-    } else {
-        bits = sign;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
-#ifdef QL_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 #ifdef QL_AVX2
 /* The 32 products of one block's widened weights with 32 values of x, in 8 lanes. */

@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_blocks.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QI_AVX2 1
@@ -36,40 +38,10 @@
 #endif
 #endif
 
-#define QB 32
-#define Q4B 20
-#define Q8B 34
+#define QB QBLOCK
+#define Q4B Q4_BYTES
+#define Q8B Q8_BYTES
 #define RT 4
-
-static inline float h2f(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f,
-                   man = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man) {
-        int e = -1;
-        uint32_t m = man;
-        do {
-            e++;
-            m <<= 1;
-        } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-    } else {
-        bits = sign;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
 /* Row r of x -> qx[r * K ..] int8, dx[r * nb + b] its block scales, sx[r * nb + b] the
  * sums of the rounded blocks (d_x * sum q_x), so that q4's offset term too multiplies the
@@ -97,14 +69,6 @@ static void quantize_rows(const float *x, int64_t xs, int64_t M, int64_t K, int8
         }
 }
 
-#ifdef QI_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 static inline void q4_col(const int8_t *qx, const float *dx, const float *sx, int64_t K,
                           const uint8_t *wrow, int64_t nb, int64_t r0, int rows, float *out) {
@@ -115,7 +79,7 @@ static inline void q4_col(const int8_t *qx, const float *dx, const float *sx, in
     const __m128i low = _mm_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wrow + b * Q4B;
-        const float d = h2f(blk), m = h2f(blk + 2);
+        const float d = half_to_float(blk), m = half_to_float(blk + 2);
         const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + 4));
         const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
                                            _mm_and_si128(raw, low));
@@ -127,7 +91,7 @@ static inline void q4_col(const int8_t *qx, const float *dx, const float *sx, in
             macc[r] += m * sx[i];
         }
     }
-    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]) + macc[r];
+    for (int r = 0; r < rows; r++) out[r] = hsum(acc[r]) + macc[r];
 #else
     for (int r = 0; r < rows; r++) {
         float total = 0.0f;
@@ -138,7 +102,7 @@ static inline void q4_col(const int8_t *qx, const float *dx, const float *sx, in
             for (int j = 0; j < 16; j++)
                 t += (blk[4 + j] & 0x0f) * q[j] + (blk[4 + j] >> 4) * q[j + 16];
             const int64_t i = (r0 + r) * nb + b;
-            total += h2f(blk) * dx[i] * (float)t + h2f(blk + 2) * sx[i];
+            total += half_to_float(blk) * dx[i] * (float)t + half_to_float(blk + 2) * sx[i];
         }
         out[r] = total;
     }
@@ -152,7 +116,7 @@ static inline void q8_col(const int8_t *qx, const float *dx, int64_t K, const ui
     for (int r = 0; r < RT; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wrow + b * Q8B;
-        const float d = h2f(blk);
+        const float d = half_to_float(blk);
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));
         const __m256i aw = _mm256_sign_epi8(wv, wv); /* |w| as unsigned bytes (-128 -> 128) */
         for (int r = 0; r < rows; r++) {
@@ -162,7 +126,7 @@ static inline void q8_col(const int8_t *qx, const float *dx, int64_t K, const ui
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[(r0 + r) * nb + b]), dot, acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]);
+    for (int r = 0; r < rows; r++) out[r] = hsum(acc[r]);
 #else
     for (int r = 0; r < rows; r++) {
         float total = 0.0f;
@@ -171,7 +135,7 @@ static inline void q8_col(const int8_t *qx, const float *dx, int64_t K, const ui
             const int8_t *w = (const int8_t *)(blk + 2), *q = qx + (r0 + r) * K + b * QB;
             int32_t t = 0;
             for (int j = 0; j < QB; j++) t += w[j] * q[j];
-            total += h2f(blk) * dx[(r0 + r) * nb + b] * (float)t;
+            total += half_to_float(blk) * dx[(r0 + r) * nb + b] * (float)t;
         }
         out[r] = total;
     }

@@ -106,23 +106,6 @@ class AsyncEngine:
     ):
         """`_loop` (from `from_config`): the thread `engine` was built on, which becomes the
         engine loop's thread (see engine/loop_thread.py for why)."""
-        try:
-            self._setup(
-                engine, max_consecutive_failures, step_timeout_s, offload_prompt_chars, _loop
-            )
-        except BaseException:
-            if _loop is not None:
-                _loop.run(None)
-            raise
-
-    def _setup(
-        self,
-        engine: SteppedEngine,
-        max_consecutive_failures: int,
-        step_timeout_s: float | None,
-        offload_prompt_chars: int,
-        loop: BuiltOnThread[Any] | None,
-    ) -> None:
         self.engine = engine
         self.max_consecutive_failures = max_consecutive_failures
         self.step_timeout_s = step_timeout_s
@@ -141,15 +124,15 @@ class AsyncEngine:
         self._consecutive_failures = 0
         self.num_steps = 0
         self.num_failed_steps = 0
-        if loop is None:
+        if _loop is None:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         else:
-            self._thread = loop.thread
+            self._thread = _loop.thread
         engine.set_wakeup(self._wake)  # background work (KV tier rescans) wakes the loop
-        if loop is None:
+        if _loop is None:
             self._thread.start()
         else:
-            loop.run(self._run)
+            _loop.run(self._run)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
@@ -159,7 +142,11 @@ class AsyncEngine:
         from engine.llm_engine import LLMEngine
 
         loop = BuiltOnThread("engine-loop", lambda: LLMEngine(config))
-        return cls(loop.value, _loop=loop, **kwargs)
+        try:
+            return cls(loop.value, _loop=loop, **kwargs)
+        except BaseException:
+            loop.run(None)  # the thread exits instead of waiting for a loop forever
+            raise
 
     # ---- what the frontends may read ------------------------------------------------------
     @property

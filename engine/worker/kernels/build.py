@@ -54,11 +54,12 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
     "quant_linear": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "quant_linear_i8": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
+    "quant_linear_rounded": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "quant_dequantize": [_ptr, _i32, _i64, _i64, _ptr, _i32],
     "quant_dequantize_bf16": [_ptr, _i32, _i64, _i64, _ptr, _i32],
 }  # fmt: skip
 
-_RETURNS_INT = ("paged_attention", "quant_linear", "quant_linear_i8")
+_RETURNS_INT = ("paged_attention", "quant_linear", "quant_linear_i8", "quant_linear_rounded")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -11,6 +11,13 @@ import torch
 
 from engine.worker.kernels.build import library
 
+# `int8_activations` -> the library function.
+_KERNELS = {
+    None: lambda lib: lib.quant_linear,
+    "dot": lambda lib: lib.quant_linear_i8,
+    "rounded": lambda lib: lib.quant_linear_rounded,
+}
+
 
 def available() -> bool:
     return library() is not None
@@ -22,16 +29,17 @@ def linear(
     kind: int,  # 4 (q4) or 8 (q8)
     cols: int,  # K
     bias: torch.Tensor | None,  # fp32 [N]
-    int8_activations: bool = False,
+    int8_activations: str | None = None,
 ) -> torch.Tensor:  # [M, N] fp32
-    """`int8_activations`: csrc/quant_linear_i8.c (x quantized per 32-value block, integer
-    dot products) instead of csrc/quant_linear.c (fp32 products)."""
+    """`int8_activations`: None, csrc/quant_linear.c (fp32 products); "dot", the integer
+    dot products of csrc/quant_linear_i8.c (x quantized per 32-value block); "rounded", x
+    rounded the same way, then the fp32 products (the caller picks by row count)."""
     lib = library()
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, n = x.shape[0], data.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    fn = lib.quant_linear_i8 if int8_activations else lib.quant_linear
+    fn = _KERNELS[int8_activations](lib)
     rc = fn(
         x.data_ptr(), x.stride(0), data.data_ptr(), kind, n, cols,
         bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m,
@@ -61,11 +69,10 @@ class BoundLinear:
         kind: int,
         cols: int,
         bias: torch.Tensor | None,
-        int8_activations: bool = False,
+        int8_activations: str | None = None,  # as in `linear`
     ):
         self._keep = (data, bias)  # the pointers below stay valid while these live
-        lib = library()
-        self._fn = lib.quant_linear_i8 if int8_activations else lib.quant_linear
+        self._fn = _KERNELS[int8_activations](library())
         self._args = (data.data_ptr(), kind, data.shape[0], cols,
                       bias.data_ptr() if bias is not None else None)  # fmt: skip
         self.out_features = data.shape[0]

@@ -17,8 +17,8 @@ CPU with the kernel library loaded:
     rows <  DENSE_ROWS   csrc/quant_linear.c (`model.quant_activations` float, the
                          default): each block widened to fp32 in registers, exactly the
                          dequantized weights' products; or csrc/quant_linear_i8.c (int8):
-                         the rows rounded to int8 per 32 values, then at 1-3 rows one
-                         byte-wise multiply-add per block, from 4 rows the rounded rows
+                         the rows rounded to int8 per 32 values, then below INT8_DOT_ROWS
+                         one byte-wise multiply-add per block, from there the rounded rows
                          through the fp32 kernel. Both read each block once per 4 rows
     rows >= DENSE_ROWS   dequantize into a scratch buffer shared by the model's layers,
                          then the dense GEMM (its cache blocking wins once a weight pass is
@@ -62,6 +62,10 @@ logger = logging.getLogger(__name__)
 # Rows from which dequantize + dense GEMM beats the block kernel (see the module docstring;
 # bench/linear_kernels.py measures both on the model's shapes).
 DENSE_ROWS = 32
+# With int8 activations, rows below this take the integer dot products; from here on the
+# rounded rows go through the fp32 block kernel (the same product: the per-row scale work
+# of the integer path costs more than fp32 FMAs shared by a tile of 4 rows).
+INT8_DOT_ROWS = 4
 
 
 class DenseScratch:
@@ -117,7 +121,8 @@ class QuantLinear(nn.Module):
         self._staged: dict[str, torch.Tensor | BlockTensor] = {}
         self._biases: dict[str, torch.Tensor] = {}
         self.finalized = False
-        self._bound: qkernels.BoundLinear | None = None  # the small-rows kernel, bound
+        # The small-rows kernels, bound, by `_small_rows_kernel`'s name.
+        self._bound: dict[str | None, qkernels.BoundLinear] = {}
         # Small batches on int8 activations (csrc/quant_linear_i8.c) rather than fp32 ones.
         self.int8_activations = False
 
@@ -165,18 +170,27 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().float().contiguous(), requires_grad=False)
         if qkernels.available():
-            self._bound = qkernels.BoundLinear(
-                self.qdata, self.kind, self.in_features, self.bias, self.int8_activations
-            )
+            names = ("dot", "rounded") if self.int8_activations else (None,)
+            self._bound = {
+                n: qkernels.BoundLinear(self.qdata, self.kind, self.in_features, self.bias, n)
+                for n in names
+            }
         return _NAMES[blocks.kind]
 
     def weight_bytes(self) -> int:
         return self.qdata.numel() + self.dense.numel() * self.dense.element_size()
 
     # ---- forward ------------------------------------------------------------------------
+    def _small_rows_kernel(self, rows: int) -> str | None:
+        """Below DENSE_ROWS: None (fp32 products), or with int8 activations "dot" (integer
+        dot products) / "rounded" (the rounded rows, fp32 products)."""
+        if not self.int8_activations:
+            return None
+        return "dot" if rows < INT8_DOT_ROWS else "rounded"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        fast = self._bound
-        if fast is not None and x.dim() == 2 and 0 < x.shape[0] < DENSE_ROWS:
+        if self._bound and x.dim() == 2 and 0 < x.shape[0] < DENSE_ROWS:
+            fast = self._bound[self._small_rows_kernel(x.shape[0])]
             # The decode step: no reshape; bf16 rows widened once and the result rounded.
             if x.dtype == torch.float32 and x.stride(-1) == 1:
                 return fast(x)
@@ -196,9 +210,8 @@ class QuantLinear(nn.Module):
         if rows == 0:
             y = x2.new_empty(0, self.out_features)
         elif rows < DENSE_ROWS and qkernels.available():
-            y = qkernels.linear(
-                x2, self.qdata, self.kind, self.in_features, self.bias, self.int8_activations
-            )
+            kernel = self._small_rows_kernel(rows)
+            y = qkernels.linear(x2, self.qdata, self.kind, self.in_features, self.bias, kernel)
         else:
             if self.int8_activations:  # the same activations the int8 kernel multiplies
                 x2 = round_activations_int8(x2)

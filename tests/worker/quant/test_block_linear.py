@@ -67,16 +67,18 @@ def test_block_kernel_equals_the_dequantized_product(kind, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("kernel", ["dot", "rounded"])
 @pytest.mark.parametrize("kind", [Q4, Q8])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-def test_int8_activation_kernel_is_the_weights_times_the_rounded_rows(kind, rows):
-    """The integer path computes the dequantized weights times the activations rounded to
-    int8 per 32 values (`round_activations_int8`, the dense path's rounding)."""
+def test_int8_activation_kernels_are_the_weights_times_the_rounded_rows(kernel, kind, rows):
+    """Both int8-activation kernels (integer dot products; rounded rows through the fp32
+    kernel) compute the dequantized weights times the activations rounded to int8 per 32
+    values (`round_activations_int8`, the dense path's rounding), at any row count."""
     w = _w(n=40, k=96)
     t = quantize_q4(w) if kind == Q4 else quantize_q8(w)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(40)
-    y = qkernels.linear(x, t.data, kind, 96, bias, int8_activations=True)
+    y = qkernels.linear(x, t.data, kind, 96, bias, int8_activations=kernel)
     wd = dequantize(t).double()
     expected = round_activations_int8(x).double() @ wd.t() + bias.double()
     torch.testing.assert_close(y.double(), expected, atol=2e-6, rtol=1e-5)

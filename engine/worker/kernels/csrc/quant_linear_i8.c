@@ -145,11 +145,28 @@ static inline void q8_col(const int8_t *qx, const float *dx, int64_t K, const ui
 int quant_linear(const float *x, int64_t xs, const uint8_t *w, int kind, int64_t N, int64_t K,
                  const float *bias, float *y, int64_t ys, int64_t M, int num_threads);
 
-/* From this many rows the integer dot products stop paying: the per-row scale work of a
- * block costs about what quant_linear.c's fp32 FMAs cost once its widening is shared by a
- * tile of 4 rows (measured on AVX-512 and AVX2 boxes, bench/linear_kernels.py). There the
- * rows are rounded the same way and handed to quant_linear: the same product. */
-#define I8_ROWS 4
+/* The rows rounded exactly as quant_linear_i8 rounds them, then quant_linear's fp32
+ * products: the same result as the integer path, for row counts where the per-row scale
+ * work of the integer path costs more than the fp32 FMAs (QuantLinear.forward picks). */
+int quant_linear_rounded(const float *x, int64_t xs, const uint8_t *w, int kind, int64_t N,
+                         int64_t K, const float *bias, float *y, int64_t ys, int64_t M,
+                         int num_threads) {
+    if (K % QB || M <= 0 || N <= 0) return (K % QB) ? -1 : 0;
+    const int64_t nb = K / QB;
+    float *xr = (float *)malloc(sizeof(float) * (size_t)(M * K));
+    int8_t *q = (int8_t *)malloc((size_t)(M * K));
+    float *d = (float *)malloc(sizeof(float) * (size_t)(2 * M * nb));
+    int rc = -1;
+    if (xr && q && d) {
+        quantize_rows(x, xs, M, K, q, d, d + M * nb);
+        for (int64_t i = 0; i < M * K; i++) xr[i] = d[i / QB] * (float)q[i];
+        rc = quant_linear(xr, K, w, kind, N, K, bias, y, ys, M, num_threads);
+    }
+    free(xr);
+    free(q);
+    free(d);
+    return rc;
+}
 
 /* As quant_linear: kind 4 (q4) or 8 (q8); bias may be NULL; 0, or -1 for K not a multiple
  * of 32 or a failed scratch allocation. */
@@ -158,21 +175,6 @@ int quant_linear_i8(const float *x, int64_t xs, const uint8_t *w, int kind, int6
                     int num_threads) {
     if (K % QB || M <= 0 || N <= 0) return (K % QB) ? -1 : 0;
     const int64_t nb = K / QB;
-    if (M >= I8_ROWS) {
-        float *xr = (float *)malloc(sizeof(float) * (size_t)(M * K));
-        int8_t *q = (int8_t *)malloc((size_t)(M * K));
-        float *d = (float *)malloc(sizeof(float) * (size_t)(2 * M * nb));
-        int rc = -1;
-        if (xr && q && d) {
-            quantize_rows(x, xs, M, K, q, d, d + M * nb);
-            for (int64_t i = 0; i < M * K; i++) xr[i] = d[i / QB] * (float)q[i];
-            rc = quant_linear(xr, K, w, kind, N, K, bias, y, ys, M, num_threads);
-        }
-        free(xr);
-        free(q);
-        free(d);
-        return rc;
-    }
     const int64_t row_bytes = nb * (kind == 4 ? Q4B : Q8B);
     int8_t *qx = (int8_t *)malloc((size_t)(M * K) + 32);
     float *dx = (float *)malloc(sizeof(float) * (size_t)(2 * M * nb));

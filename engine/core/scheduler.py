@@ -370,7 +370,8 @@ class Scheduler:
         skipped: list[Request] = []
         late: list[Request] | None = [] if self.policy.defers_late else None
         adapters = AdapterSlots(self.max_loras, running)
-        tenants = TenantSlots(running)
+        tenants = TenantSlots(running, self.config.max_num_seqs)
+        waiting.offer_shares(tenants)
         pool_full = self._admit_waiting(step, now, adapters, tenants, skipped, late)
         if late:
             waiting.restore(late)
@@ -467,9 +468,8 @@ class Scheduler:
             if not tenants.admits(req) or req.fork_from is not None or not adapters.admits(req):
                 return
             v = share_victim(
-                req, self.running, tenants.counts(), waiting.backlog(),
-                self.config.max_num_seqs, counter, keep,
-            )  # fmt: skip
+                req, self.running, tenants, tenants.weights(waiting.backlog()), counter, keep
+            )
             if v is None:
                 return
             victim = self.running[v]

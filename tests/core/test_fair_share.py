@@ -63,14 +63,18 @@ def vtc_bound(tenants: dict[str, Tenant], max_num_seqs: int) -> float:
     """The gap the fair policy allows between two backlogged tenants' weighted service
     (normalised by weight), from the configured weights.
 
-    A tenant is admitted only while its counter is the lowest, and one admitted request
-    can add at most its whole cost, U = w_in * prompt + w_out * output, before it ends; a
-    tenant holds at most max_num_seqs requests. So each backlogged tenant's counter stays
-    within max_num_seqs * U / weight of the lowest one, and any two differ in what they
-    gained over an interval by at most twice that for the lightest tenant.
+    One admitted request can add at most its whole cost, U = w_in * prompt + w_out *
+    output, before it ends, and a tenant holds at most max_num_seqs requests. A tenant is
+    admitted only while its counter, less its slack, is the lowest; the slack of a tenant
+    within its seat share is its share of the seats times U over its weight
+    (`tenant_slots.share_slack`), i.e. at most max_num_seqs * U / (sum of weights). So each
+    backlogged tenant's counter stays within max_num_seqs * U / weight plus that slack of
+    the lowest one, and any two differ in what they gained over an interval by at most
+    twice that for the lightest tenant.
     """
     u = W_IN * PROMPT + W_OUT * OUTPUT
-    return 2 * max_num_seqs * u / min(t.weight for t in tenants.values())
+    weights = [t.weight for t in tenants.values()]
+    return 2 * (max_num_seqs * u / min(weights) + max_num_seqs * u / sum(weights))
 
 
 def run_backlogged(policy: str, steps: int = 400) -> tuple[float, list[float]]:
@@ -265,3 +269,47 @@ def test_counter_lift_uses_the_lowest_backlogged_counter():
     vtc._counters["e"] = 500.0
     vtc.lift("e", ["a", "b"])  # never lowered
     assert vtc.value("e") == 500.0
+
+
+def _light_tenant_ahead_on_the_counter(b_running: int) -> Scheduler:
+    """Five seats, two tenants of equal weight (a share of 2.5 seats each): tenant a holds
+    two seats and floods the queue, tenant b holds `b_running` and has one more request
+    waiting, and b's counter is 1.5 requests' cost ahead of a's (what its own recent
+    requests were charged)."""
+    a, b = Tenant("a"), Tenant("b")
+    sched = make_scheduler(
+        num_blocks=64, max_num_seqs=5, max_num_batched_tokens=64, policy="fair",
+        charge_input_token=W_IN, charge_output_token=W_OUT,
+    )  # fmt: skip
+    for i in range(2):
+        sched.add_request(make_request(f"r{i}", 8, 40, arrival=float(i), tenant=a, ignore_eos=True))
+    for i in range(b_running):
+        sched.add_request(make_request(f"b{i}", 8, 40, arrival=float(i), tenant=b, ignore_eos=True))
+    step(sched)
+    for i in range(6):
+        sched.add_request(
+            make_request(f"a{i}", 8, 8, arrival=10.0 + i, tenant=a, ignore_eos=True)
+        )
+    sched.add_request(make_request("bx", 8, 8, arrival=20.0, tenant=b, ignore_eos=True))
+    counters = sched.policy.counter._counters
+    counters["a"] = 100.0
+    counters["b"] = 100.0 + 1.5 * (8 * W_IN + 8 * W_OUT)
+    return sched
+
+
+def test_a_tenant_within_its_share_is_not_held_behind_a_flood_by_its_own_last_charge():
+    """b holds one seat of its 2.5, a two (at its share): b's request goes ahead of a's
+    queue although b's counter is ahead (under the plain lowest-counter rule a's requests
+    would take both free seats: each admission lifts a's counter by one prompt, never past
+    b's)."""
+    sched = _light_tenant_ahead_on_the_counter(b_running=1)
+    so, _ = step(sched)
+    assert [d.request_id for d in so.scheduled_new_reqs] == ["bx", "a0"]
+
+
+def test_a_tenant_at_its_share_gets_no_slack():
+    """b holds two seats too: neither may take a third within its share, so the lower
+    counter, a's, takes the free seat."""
+    sched = _light_tenant_ahead_on_the_counter(b_running=2)
+    so, _ = step(sched)
+    assert [d.request_id for d in so.scheduled_new_reqs] == ["a0"]

@@ -9,13 +9,16 @@ under `deadline`. Across tenants the policy picks whose head goes next:
   request before any other, then the earliest arrival);
 - `priority`: the best (priority, arrival) head;
 - `fair`, `deadline`: the tenant with the lowest virtual token counter
-  (`fair_share.VirtualTokenCounter`), ties to the earliest head.
+  (`fair_share.VirtualTokenCounter`), ties to the earliest head; during a step's
+  admissions (`offer_shares`) a tenant within its weighted seat share is compared with its
+  counter lowered by its head's whole cost (`tenant_slots.share_slack`), so a light tenant
+  is not held behind a flood by the charge of its own last request.
 
 With one tenant (no tenants configured: everyone is `default`) this is exactly that
 tenant's queue, at the cost of one dict lookup. A tenant that may not be offered for the
 rest of a step (its `max_running` is reached) is *parked*: it keeps its requests and its
 place, the queue is truthy only while some unparked tenant has a request, and
-`unpark_all` ends the step. `len()` counts every waiting request, parked or not.
+`unpark_all` ends the step (and the shares offered for it). `len()` counts every waiting request, parked or not.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from engine.core.policy.fair_share import VirtualTokenCounter
+from engine.core.policy.tenant_slots import TenantSlots, share_slack
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue, make_queue
 
@@ -47,6 +51,7 @@ class TenantQueue:
         # order they became backlogged.
         self._subs: dict[str, RequestQueue] = {}
         self._parked: set[str] = set()
+        self._slots: TenantSlots | None = None  # this step's seats (`offer_shares`)
         self._len = 0
 
     def _tenant_key(self, policy: str) -> Callable[[str, RequestQueue], Any]:
@@ -96,7 +101,7 @@ class TenantQueue:
             return next(iter(subs))
         best: str | None = None
         best_key = None
-        key = self._key
+        key = self._key if self._slots is None else self._share_key()
         for name, sub in subs.items():
             if name in parked:
                 continue
@@ -106,6 +111,23 @@ class TenantQueue:
         if best is None:
             raise IndexError("no tenant has a request that may be offered")
         return best
+
+    def _share_key(self) -> Callable[[str, RequestQueue], Any]:
+        """The fair key during admissions: a tenant within its seat share competes with its
+        counter lowered by its head's `share_slack`."""
+        slots, counter = self._slots, self._counter
+        assert slots is not None and counter is not None
+        weights = slots.weights(self.backlog())
+        value, rules = counter.value, counter.rules
+
+        def key(name: str, sub: RequestQueue) -> tuple[float, float]:
+            head = sub.peek()
+            v = value(name)
+            if slots.within_share(name, weights):
+                v -= int(slots.share(name, weights)) * share_slack(head, rules)
+            return v, head.times.arrival
+
+        return key
 
     def peek(self) -> Request:
         return self._subs[self._pick()].peek()
@@ -131,6 +153,14 @@ class TenantQueue:
 
     def unpark_all(self) -> None:
         self._parked.clear()
+        self._slots = None
+
+    def offer_shares(self, slots: TenantSlots) -> None:
+        """Fair policies, for one step's admissions (until `unpark_all`): the seats each
+        tenant holds, so the order can favour a tenant within its share (module docstring).
+        A no-op under fcfs and priority."""
+        if self._counter is not None:
+            self._slots = slots
 
     # ---- leaving and reading -----------------------------------------------------------------
     def remove(self, requests: Iterable[Request]) -> None:

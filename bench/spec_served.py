@@ -24,10 +24,12 @@ box's load falls on all alike):
   as token ids): mean TPOT per request ((last token - first token) / (tokens - 1), from the
   stream). Goal at 4 req/s: adaptive below both fixed k and none.
 
-Every request's text is kept: for each (workload, request) the servers' greedy outputs must
-be identical (`greedy_identical`). One JSON line goes to bench/results/spec_served.jsonl.
+Every workload runs `--rounds` times (the servers' order rotated again each round); each
+figure is the median over the rounds, every round's row kept beside it. Every request's
+text is kept: for each (workload, request) the servers' greedy outputs must be identical
+in every round (`greedy_identical`). One JSON line goes to bench/results/spec_served.jsonl.
 
-    python bench/spec_served.py                      # ~6 minutes on 2 cores
+    python bench/spec_served.py                      # 3 rounds, ~18 minutes on 2 cores
     python bench/spec_served.py --configs none,ngram-fixed,ngram,vllm-none,vllm-ngram
     python bench/spec_served.py --rates 1 --duration 10 --saturation-requests 16
 """
@@ -182,6 +184,58 @@ def mixed_plan(rate: float, duration: float, copy_ids: list[int], seed: int):
         i += 1
 
 
+def run_workload(url: str, rate: float | None, args, copy_ids: list[int], tok) -> tuple[dict, list[str]]:
+    """One workload on one server: its figures, and every request's text (in plan order)."""
+    with LoadMeter() as load:
+        if rate is None:
+            res, wall = asyncio.run(
+                saturation(url, args.saturation_requests, args.concurrency, args.max_tokens)
+            )
+        else:
+            plan = mixed_plan(rate, args.duration, copy_ids, args.seed)
+            t0 = time.perf_counter()
+            res = asyncio.run(mixed(url, plan, args.max_tokens))
+            wall = time.perf_counter() - t0
+    ok = [r for r in res if r.ok]
+    tp = [x for x in (tpot(r, tok) for r in ok) if x is not None]
+    row = {
+        "requests": len(res), "failed": len(res) - len(ok), "wall_s": round(wall, 2),
+        "output_tok_per_s": round(sum(len(tok.encode(r.text, add_special_tokens=False))
+                                      for r in ok) / wall, 2),
+        "mean_tpot_ms": round(statistics.fmean(tp) * 1e3, 2) if tp else None,
+        "mean_tpot_ms_by_kind": {
+            k: round(statistics.fmean(v) * 1e3, 2) if v else None
+            for k in ("open", "copy")
+            for v in [[x for r in ok if r.kind == k
+                       for x in [tpot(r, tok)] if x is not None]]
+        },
+        "other_cores": load.as_dict().get("other_cores"),
+    }  # fmt: skip
+    return row, [r.text for r in res]
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """One config's rows over the rounds: the median of each figure, and every round's."""
+
+    def med(xs: list) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return round(statistics.median(xs), 2) if xs else None
+
+    out = {
+        "requests": rounds[0]["requests"],
+        "failed": sum(r["failed"] for r in rounds),
+        "output_tok_per_s": med([r["output_tok_per_s"] for r in rounds]),
+        "mean_tpot_ms": med([r["mean_tpot_ms"] for r in rounds]),
+        "mean_tpot_ms_by_kind": {
+            k: med([r["mean_tpot_ms_by_kind"][k] for r in rounds]) for k in ("open", "copy")
+        },
+        "other_cores": max((r["other_cores"] or 0.0) for r in rounds),
+    }
+    if len(rounds) > 1:
+        out["rounds"] = rounds
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="none,ngram-fixed,ngram")
@@ -192,6 +246,7 @@ def main() -> None:
     ap.add_argument("--saturation-requests", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="repeats; figures are medians")
     ap.add_argument("--out", default=str(RESULTS_DIR / "spec_served.jsonl"))
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -211,42 +266,22 @@ def main() -> None:
         workloads = [("saturation", None)] + [
             (f"mixed@{r}", float(r)) for r in args.rates.split(",")
         ]
-        for w, (wname, rate) in enumerate(workloads):
-            order = names[w % len(names) :] + names[: w % len(names)]
-            per: dict[str, dict] = {}
-            texts: dict[str, list[str]] = {}
-            for name in order:
-                url = servers[name].url
-                with LoadMeter() as load:
-                    if rate is None:
-                        res, wall = asyncio.run(saturation(url, args.saturation_requests,
-                                                           args.concurrency, args.max_tokens))  # fmt: skip
-                    else:
-                        plan = mixed_plan(rate, args.duration, copy_ids, args.seed)
-                        t0 = time.perf_counter()
-                        res = asyncio.run(mixed(url, plan, args.max_tokens))
-                        wall = time.perf_counter() - t0
-                ok = [r for r in res if r.ok]
-                tp = [x for x in (tpot(r, tok) for r in ok) if x is not None]
-                row = {
-                    "requests": len(res), "failed": len(res) - len(ok), "wall_s": round(wall, 2),
-                    "output_tok_per_s": round(sum(len(tok.encode(r.text, add_special_tokens=False))
-                                                  for r in ok) / wall, 2),
-                    "mean_tpot_ms": round(statistics.fmean(tp) * 1e3, 2) if tp else None,
-                    "mean_tpot_ms_by_kind": {
-                        k: round(statistics.fmean(v) * 1e3, 2) if v else None
-                        for k in ("open", "copy")
-                        for v in [[x for r in ok if r.kind == k
-                                   for x in [tpot(r, tok)] if x is not None]]
-                    },
-                    "other_cores": load.as_dict().get("other_cores"),
-                }  # fmt: skip
-                per[name] = row
-                texts[name] = [r.text for r in res]
-                log(f"{wname} {name}: {row}")
-            ref = texts[names[0]]
-            per["greedy_identical"] = all(t == ref for t in texts.values())
-            record["workloads"][wname] = per
+        rows: dict[str, dict[str, list[dict]]] = {wname: {} for wname, _ in workloads}
+        first: dict[str, list[str]] = {}  # each workload's first answers, to compare with
+        identical = dict.fromkeys(rows, True)
+        for rnd in range(args.rounds):
+            for w, (wname, rate) in enumerate(workloads):
+                shift = (w + rnd) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    row, out = run_workload(servers[name].url, rate, args, copy_ids, tok)
+                    rows[wname].setdefault(name, []).append(row)
+                    identical[wname] &= out == first.setdefault(wname, out)
+                    log(f"{wname} round {rnd} {name}: {row}")
+        for wname, per_config in rows.items():
+            record["workloads"][wname] = {
+                **{n: summarize(r) for n, r in per_config.items()},
+                "greedy_identical": identical[wname],
+            }
     finally:
         for s in servers.values():
             s.stop()
@@ -258,6 +293,17 @@ def main() -> None:
                 goals[f"saturation_{n}_over_none"] = round(
                     sat[n]["output_tok_per_s"] / sat["none"]["output_tok_per_s"], 3
                 )
+    mixed4 = record["workloads"].get("mixed@4", {})
+    if {"none", "ngram", "ngram-fixed"} <= set(mixed4):
+        t = {n: mixed4[n]["mean_tpot_ms"] for n in ("none", "ngram", "ngram-fixed")}
+        goals["mixed@4_adaptive_below_none_and_fixed"] = t["ngram"] < min(
+            t["none"], t["ngram-fixed"]
+        )
+        per_round = zip(*(mixed4[n].get("rounds", [mixed4[n]]) for n in t), strict=True)
+        goals["mixed@4_rounds_adaptive_lowest"] = [
+            none["mean_tpot_ms"] > ada["mean_tpot_ms"] < fixed["mean_tpot_ms"]
+            for none, ada, fixed in per_round
+        ]
     record["goals"] = goals
     print(json.dumps(record["goals"], indent=1))
     write_jsonl(Path(args.out), record)

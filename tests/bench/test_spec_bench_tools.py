@@ -35,3 +35,18 @@ def test_the_copy_task_quotes_textwrap_and_every_method_is_a_valid_config():
     assert msg["role"] == "user" and '"""Text wrapping and filling.' in msg["content"]
     for spec in METHODS.values():
         speculative_config_from_dict(spec)  # raises ConfigError on a bad entry
+
+
+def test_spec_served_summary_takes_medians_and_keeps_every_round():
+    from bench.spec_served import summarize
+
+    def row(tok_s, tpot, other):
+        return {"requests": 8, "failed": 0, "output_tok_per_s": tok_s, "mean_tpot_ms": tpot,
+                "mean_tpot_ms_by_kind": {"open": tpot, "copy": None}, "other_cores": other}  # fmt: skip
+
+    rounds = [row(100.0, 50.0, 0.1), row(300.0, 40.0, 0.3), row(200.0, 70.0, 0.2)]
+    s = summarize(rounds)
+    assert (s["output_tok_per_s"], s["mean_tpot_ms"]) == (200.0, 50.0)
+    assert s["mean_tpot_ms_by_kind"] == {"open": 50.0, "copy": None}
+    assert s["other_cores"] == 0.3 and s["rounds"] == rounds
+    assert "rounds" not in summarize(rounds[:1])

@@ -257,6 +257,10 @@ def request_attributes(
     attrs["appliance.request.num_preemptions"] = len(m.preempted_times)
     if m.first_scheduled_time is not None:
         attrs["gen_ai.latency.time_in_queue"] = m.first_scheduled_time - m.arrival_time
+    if m.queue_steps is not None:  # the same waits counted in engine steps
+        attrs["appliance.latency.queue_steps"] = m.queue_steps
+    if m.ttft_steps is not None:
+        attrs["appliance.latency.time_to_first_token_steps"] = m.ttft_steps
     if m.first_token_time is not None:
         attrs["gen_ai.latency.time_to_first_token"] = m.first_token_time - m.arrival_time
     if m.finished_time is not None:

@@ -30,6 +30,10 @@ class RequestSpan:
     output_tokens: int
     expired: str | None  # "queue" / "running" when its deadline ended it
     scheduled: bool  # it got at least one step
+    # The queueing and the TTFT counted in engine steps (steps begun from its arrival, the
+    # one in flight then counted, to the step that first scheduled it / gave its first token).
+    queue_steps: int | None = None
+    ttft_steps: int | None = None
 
 
 def _value(v) -> object:
@@ -100,6 +104,8 @@ class SpanSink:
                             expired=None if expired is None
                             else str(expired.get("appliance.deadline.stage")),
                             scheduled="scheduled" in events,
+                            queue_steps=a.get("appliance.latency.queue_steps"),
+                            ttft_steps=a.get("appliance.latency.time_to_first_token_steps"),
                         )
                     )  # fmt: skip
         with self._lock:

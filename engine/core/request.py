@@ -65,6 +65,13 @@ class RequestTimes:
     kv_load_finished: float | None = None
     # When the scheduler ended it because its deadline had passed (None: it did not).
     expired: float | None = None
+    # The same moments counted in engine steps (`Scheduler.num_steps_started` then): steps
+    # begun before it was queued (the one in flight counted), and the steps that first
+    # scheduled it and produced its first token. Queueing in steps is first_scheduled_step
+    # - queued_step: 1 when the first step after its arrival takes it.
+    queued_step: int | None = None
+    first_scheduled_step: int | None = None
+    first_token_step: int | None = None
 
 
 class Request:

@@ -145,6 +145,8 @@ class Scheduler:
         self.policy = SchedulingPolicy(config)
         self.waiting = self.policy.queue
         self.num_preemptions = 0
+        # Steps begun (`schedule()` calls): the clock requests' queueing is counted in.
+        self.num_steps_started = 0
         # Requests the scheduler ended itself (a deadline passed, pushed out of a full
         # queue), with the error their caller gets, until the engine takes them.
         self._dropped: list[tuple[Request, EngineError]] = []
@@ -217,6 +219,7 @@ class Scheduler:
         if pushed is not None:  # the queue is full: the most over-share tenant's last one
             self._drop([(pushed, pushed_out_error(pushed, self.config.max_queue_len))])
         request.status = _WAITING
+        request.times.queued_step = self.num_steps_started
         self.requests[request.request_id] = request
         self.waiting.add(request)
         self.policy.admitted(request, now)
@@ -225,6 +228,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Picks this step's requests and token counts; see the module docstring."""
         now = self.clock()
+        self.num_steps_started += 1
         self._expire_deadlines(now)
         self.policy.step_started(now, bool(self.running))
         step = _Step(budget=self.config.max_num_batched_tokens)
@@ -442,6 +446,7 @@ class Scheduler:
         req.status = _RUNNING
         if req.times.first_scheduled is None:
             req.times.first_scheduled = now
+            req.times.first_scheduled_step = self.num_steps_started
             req.num_cached_tokens = start
         step.num_scheduled[req.request_id] = n
         step.admitted.append((req, start))
@@ -639,6 +644,7 @@ class Scheduler:
             times = req.times
             if times.first_token is None:
                 times.first_token = now
+                times.first_token_step = self.num_steps_started
             times.last_token = now
             updated.append(req)
         if runner_output.pooled:

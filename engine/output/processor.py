@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, RequestTimes
 from engine.core.step_io import RunnerOutput, TokenLogprobs
 from engine.output.detokenizer import IncrementalDetokenizer
 from engine.output.request_output import RequestDelta, RequestMetrics, SampleDelta, SampleError
@@ -94,7 +94,16 @@ class RequestGroup:
             kv_load_start_time=times[0].kv_load_started,
             kv_load_end_time=times[0].kv_load_finished,
             expired_time=min((t.expired for t in times if t.expired), default=None),
+            queue_steps=_steps_since_queued(times, "first_scheduled_step"),
+            ttft_steps=_steps_since_queued(times, "first_token_step"),
         )
+
+
+def _steps_since_queued(times: list[RequestTimes], field: str) -> int | None:
+    """Steps from the request's queueing to the first of its samples' `field` step."""
+    steps = [getattr(t, field) for t in times if getattr(t, field) is not None]
+    queued = times[0].queued_step
+    return min(steps) - queued if steps and queued is not None else None
 
 
 def _take_sample_delta(index: int, s: SampleState) -> SampleDelta | None:

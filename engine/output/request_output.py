@@ -71,6 +71,11 @@ class RequestMetrics:
     kv_load_end_time: float | None = None
     # When the scheduler ended it because its deadline had passed (None: it did not).
     expired_time: float | None = None
+    # Queueing and time to first token counted in engine steps (`RequestTimes`): steps
+    # begun from its arrival (the one in flight then counted) to the step that first
+    # scheduled it / produced its first token.
+    queue_steps: int | None = None
+    ttft_steps: int | None = None
 
     @property
     def spec_mean_acceptance_length(self) -> float | None:

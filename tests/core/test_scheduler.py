@@ -236,3 +236,19 @@ def test_queue_full_and_duplicate_id():
 def test_scheduler_module_does_not_import_torch():
     code = "import sys, engine.core.scheduler; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_queueing_and_first_token_are_counted_in_engine_steps():
+    """One seat: r1 queues while r0 runs its 3 tokens, is scheduled in the step after r0's
+    last and gets its first token there; the step in flight when a request is queued counts."""
+    sched = make_scheduler(max_num_seqs=1)
+    r0, r1 = make_request("r0", 4, 3, ignore_eos=True), make_request("r1", 4, 2, ignore_eos=True)
+    sched.add_request(r0)
+    step(sched)  # step 1: r0's prefill (its first token)
+    sched.add_request(r1)  # queued after step 1
+    while sched.get_request("r0") is not None:
+        step(sched)  # steps 2, 3: r0's decodes, r0 finishes
+    step(sched)  # step 4: r1 admitted, its first token
+    t0, t1 = r0.times, r1.times
+    assert (t0.queued_step, t0.first_scheduled_step, t0.first_token_step) == (0, 1, 1)
+    assert (t1.queued_step, t1.first_scheduled_step, t1.first_token_step) == (1, 4, 4)

@@ -5,8 +5,12 @@ layout on every call; at decode batch sizes (tens of rows) that repacking is a l
 each matmul. oneDNN can take a weight reordered once (`mkldnn._reorder_linear_weight`) and
 reuse it for any number of rows: measured here at batch 64 the q/k/v, gate/up and LM-head
 GEMMs ran 1.2-1.9x faster, and from 4 rows up oneDNN wins. Below that (a single user's
-decode) MKL's GEMV on the dense weight is ~25% faster, so the dense weight is kept next to
-the packed copy and `small_rows` picks: linear weights take twice their memory.
+decode) MKL's GEMV on the dense weight is ~25% faster on an Intel Xeon, so the dense weight
+is kept next to the packed copy and `small_rows` picks: linear weights take twice their
+memory. MKL's fast paths dispatch on Intel CPUs only: on an AMD EPYC (2 threads, AVX-512)
+oneDNN wins at every row count, one row included (SmolLM2's shapes, 1 / 2 / 4 rows: the
+layers 1.3-2.0x / 2.4-4.0x / 2.8-4.0x, the LM head 1.8x / 3.9x / 4.6x), so there fp32
+takes the packed weight from one row on too.
 
 bf16 weights go the same way (oneDNN's brgemm with AVX-512-BF16 or AMX, bf16 in and out,
 fp32 accumulation). There the packed path wins at every row count (measured on the model's
@@ -29,15 +33,29 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# fp32 inputs with fewer rows than this use F.linear on the dense weight (measured crossover:
-# SmolLM2's layer GEMMs, 30 layers, 2 threads: 1-3 rows F.linear faster, 4+ oneDNN faster).
-SMALL_ROWS = 4
+# fp32 inputs with fewer rows than this use F.linear on the dense weight, on Intel CPUs
+# (measured crossover: SmolLM2's layer GEMMs, 30 layers, 2 threads, Xeon: 1-3 rows F.linear
+# faster, 4+ oneDNN faster); on other vendors MKL takes no fast path and oneDNN wins at once.
+SMALL_ROWS_INTEL = 4
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def small_rows(dtype: torch.dtype) -> int:
     """Below this many rows F.linear beats the packed weight (bf16: never, see above)."""
-    return SMALL_ROWS if dtype == torch.float32 else 1
+    return _fp32_small_rows() if dtype == torch.float32 else 1
+
+
+@functools.cache
+def _fp32_small_rows() -> int:
+    from engine.worker.cpu_features import detect_cpu_features
+
+    return fp32_small_rows_for(detect_cpu_features().vendor)
+
+
+def fp32_small_rows_for(vendor: str) -> int:
+    """The fp32 crossover for a CPU vendor (cpuinfo's vendor_id; "" when unknown: Intel's,
+    the rule measured first)."""
+    return SMALL_ROWS_INTEL if vendor in ("GenuineIntel", "") else 1
 
 
 def packing_available(dtype: torch.dtype = torch.float32) -> bool:

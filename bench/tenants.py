@@ -488,8 +488,8 @@ def main() -> None:
             log(f"flood fcfs: B {record['flood_fcfs']['B']}")
         finally:
             server.stop()
-        log("fair server: B alone, the flood under fair")
-        server = start_server(args, sink, "fair")
+        log("fair server without preempt_for_fairness: B alone, the flood")
+        server = start_server(args, sink, "fair", **{"scheduler.preempt_for_fairness": "false"})
         try:
             capacity(args, server.url, batches=1)  # warm-up
             record["alone_fair"], _ = flood_run(args, server, sink, flood_plans(args, cap, False))

@@ -185,8 +185,9 @@ class SchedulerConfig:
     max_stop_token_ids: int = 1024
     # Fair policies: when every seat (max_num_seqs) is held and the next waiting request's
     # tenant runs fewer than its weighted share of the seats, preempt a request of the
-    # tenant furthest above its share to admit it (instead of waiting for a seat to free).
-    preempt_for_fairness: bool = False
+    # tenant furthest above its share to admit it (instead of waiting for a seat to free;
+    # docs/tenancy.md has the measured trade-off). Nothing happens under fcfs and priority.
+    preempt_for_fairness: bool = True
     # policy deadline: a waiting request whose remaining work (prefill chunks + output left
     # to its explicit max_tokens, at the recent step time) ends after its deadline is
     # admitted only when no request that can still make its own waits (it keeps its place;

@@ -13,6 +13,7 @@ No clock is involved: a step is a step.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Container
 
 import pytest
 
@@ -225,14 +226,20 @@ def test_fair_victim_is_the_most_served_tenants_last_request(policy, victim):
     assert preempted == {victim}
 
 
-def _seats_full_of_a(preempt: bool) -> Scheduler:
+def _seats_full_of_a(preempt: bool, deadlines: Container[str] = ()) -> Scheduler:
     a, b = Tenant("a"), Tenant("b")
     sched = make_scheduler(
         num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, policy="fair",
         preempt_for_fairness=preempt,
     )  # fmt: skip
     for i in range(6):
-        sched.add_request(make_request(f"a{i}", 8, 40, arrival=float(i), tenant=a, ignore_eos=True))
+        rid = f"a{i}"
+        sched.add_request(
+            make_request(
+                rid, 8, 40, arrival=float(i), tenant=a, ignore_eos=True,
+                deadline=1e9 if rid in deadlines else None,
+            )
+        )  # fmt: skip
     step(sched)
     step(sched)
     sched.add_request(make_request("b0", 8, 4, arrival=10.0, tenant=b, ignore_eos=True))
@@ -254,6 +261,17 @@ def test_preempt_for_fairness_swaps_an_over_share_request_for_the_waiting_tenant
     # b holds 1 of 4 seats, under its share of 2: nothing more to swap while a is ahead.
     so, _ = step(sched)
     assert not so.preempted_req_ids
+
+
+def test_preempt_for_fairness_never_takes_a_request_with_a_deadline():
+    """Recompute could make it miss its deadline: the next request without one goes, and
+    with deadlines on every running request of the over-share tenant nothing is swapped."""
+    sched = _seats_full_of_a(preempt=True, deadlines={"a3"})
+    so, _ = step(sched)
+    assert so.preempted_req_ids == {"a2"}
+    sched = _seats_full_of_a(preempt=True, deadlines={"a0", "a1", "a2", "a3"})
+    so, _ = step(sched)
+    assert not so.preempted_req_ids and "b0" not in so.num_scheduled_tokens
 
 
 def test_counter_lift_uses_the_lowest_backlogged_counter():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +34,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVED_NAME = "bench"
+
+
+# "Exception: ..." or "SomethingError: ..." at a line's end, not a traceback's "File ..." line.
+_EXCEPTION_LINE = re.compile(r"\b(?:[A-Za-z_.]*Error|Exception): .+$")
 
 
 @dataclass(frozen=True)
@@ -110,8 +115,11 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                cause = self.first_exception()
                 raise RuntimeError(
-                    f"{self.name} exited with rc {self.proc.returncode}:\n{self.tail()}"
+                    f"{self.name} exited with rc {self.proc.returncode}"
+                    + (f" (first exception in its log: {cause})" if cause else "")
+                    + f":\n{self.tail()}"
                 )
             with contextlib.suppress(urllib.error.URLError, OSError):
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
@@ -120,6 +128,19 @@ class Server:
                         return
             time.sleep(1.0)
         raise RuntimeError(f"{self.name}: /health not 200 within {timeout:.0f} s:\n{self.tail()}")
+
+    def first_exception(self) -> str | None:
+        """The first line of the log that names an exception (`...Error: ...`, `Exception:
+        ...`): a failed start's root cause, often far above the tail's re-raises."""
+        try:
+            with open(self.log.name, errors="replace") as f:
+                for line in f:
+                    m = _EXCEPTION_LINE.search(line)
+                    if m:
+                        return m.group(0).strip()
+        except OSError:
+            pass
+        return None
 
     def tail(self, n: int = 40) -> str:
         try:

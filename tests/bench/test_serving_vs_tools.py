@@ -106,3 +106,20 @@ def test_table_takes_the_latest_run_orders_rates_with_inf_last_and_divides_ours_
         ["4", "ours"], ["4", "vllm"], ["inf", "ours"], ["inf", "vllm"]]  # fmt: skip
     assert table[0].endswith("| 2.00 |") and table[2].endswith("| 1.50 |")
     assert table[1].endswith("|  |")
+
+
+def test_a_failed_servers_first_exception_is_found_above_the_reraises(tmp_path):
+    import types
+
+    from bench.servers import Server
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        '  File "/venv/vllm/worker.py", line 69, in _init_worker\n'
+        "(Worker pid=1) ERROR [executor.py:1063] Exception: CPU Offloading is only on GPUs\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    fake = types.SimpleNamespace(log=types.SimpleNamespace(name=str(log)))
+    assert Server.first_exception(fake) == "Exception: CPU Offloading is only on GPUs"
+    log.write_text("nothing went wrong\n")
+    assert Server.first_exception(fake) is None

@@ -321,7 +321,7 @@ def run_vllm(args, model, repeat: int) -> None:
         s.wait_healthy(900)
     except RuntimeError as e:
         record(args, "vllm_offload", repeat, started=False, command=cmd[2:],
-               reason=str(e)[-3000:])  # fmt: skip
+               reason=str(e).splitlines()[0], log_tail=str(e)[-3000:])  # fmt: skip
         s.stop()
         return
     try:

@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVED_NAME = "bench"
 
 
-# "Exception: ..." or "SomethingError: ..." at a line's end, not a traceback's "File ..." line.
-_EXCEPTION_LINE = re.compile(r"\b(?:[A-Za-z_.]*Error|Exception): .+$")
+# "Exception: ..." or "SomethingError: ..." opening a line or following a log prefix's "] ",
+# as a raised exception prints (not a traceback's "File ..." line, not a warning's prose).
+_EXCEPTION_LINE = re.compile(r"(?:^|\] )((?:[A-Za-z_.]*Error|Exception): .+)$")
 
 
 @dataclass(frozen=True)
@@ -135,9 +136,9 @@ class Server:
         try:
             with open(self.log.name, errors="replace") as f:
                 for line in f:
-                    m = _EXCEPTION_LINE.search(line)
-                    if m:
-                        return m.group(0).strip()
+                    m = _EXCEPTION_LINE.search(line.rstrip("\n"))
+                    if m and "WARNING" not in line:
+                        return m.group(1).strip()
         except OSError:
             pass
         return None

@@ -115,6 +115,7 @@ def test_a_failed_servers_first_exception_is_found_above_the_reraises(tmp_path):
 
     log = tmp_path / "server.log"
     log.write_text(
+        "WARNING [utils.py:255] errors like `OSError: [Errno 24] Too many open files`. Fix it\n"
         '  File "/venv/vllm/worker.py", line 69, in _init_worker\n'
         "(Worker pid=1) ERROR [executor.py:1063] Exception: CPU Offloading is only on GPUs\n"
         "RuntimeError: Engine core initialization failed. See root cause above.\n"

@@ -305,9 +305,7 @@ def _light_tenant_ahead_on_the_counter(b_running: int) -> Scheduler:
         sched.add_request(make_request(f"b{i}", 8, 40, arrival=float(i), tenant=b, ignore_eos=True))
     step(sched)
     for i in range(6):
-        sched.add_request(
-            make_request(f"a{i}", 8, 8, arrival=10.0 + i, tenant=a, ignore_eos=True)
-        )
+        sched.add_request(make_request(f"a{i}", 8, 8, arrival=10.0 + i, tenant=a, ignore_eos=True))
     sched.add_request(make_request("bx", 8, 8, arrival=20.0, tenant=b, ignore_eos=True))
     counters = sched.policy.counter._counters
     counters["a"] = 100.0

@@ -106,7 +106,10 @@ def test_span_uses_engine_timestamps_and_joins_the_callers_trace() -> None:
     assert a["gen_ai.latency.time_in_queue"] == pytest.approx(0.25)
     assert a["gen_ai.latency.time_to_first_token"] == pytest.approx(0.5)
     assert a["gen_ai.latency.e2e"] == pytest.approx(2.0)
-    assert (a["appliance.latency.queue_steps"], a["appliance.latency.time_to_first_token_steps"]) == (2, 3)
+    assert (
+        a["appliance.latency.queue_steps"],
+        a["appliance.latency.time_to_first_token_steps"],
+    ) == (2, 3)
     assert a["gen_ai.request.choice.count"] == 2 and a["gen_ai.request.seed"] == 1
 
 

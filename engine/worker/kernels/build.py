@@ -9,7 +9,9 @@ loaded after torch, whose bundled `libgomp.so.1` then satisfies the dependency, 
 share one OpenMP runtime and thread pool.
 
 Failures (no compiler, a compile error, `APPLIANCE_CPU_KERNELS=off`) are logged once and
-`library()` returns None: callers keep their torch path.
+`library()` returns None: callers keep their torch path. `APPLIANCE_KERNEL_MARCH` replaces
+`native` in `-march=` (tests build the AVX2 and the plain C paths on an AVX-512 box with
+`x86-64-v3` and `x86-64`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     "paged_attention.c", "fused_ops.c", "cache_write.c", "quant_linear.c", "quant_linear_i8.c",
+    "quant_linear_q4g.c",
 )  # fmt: skip
 FLAGS = [
     "-O3",
@@ -55,11 +58,16 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "quant_linear": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "quant_linear_i8": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "quant_linear_rounded": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
+    "quant_linear_bf16": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
+    "q4g_bf16_native": [],
     "quant_dequantize": [_ptr, _i32, _i64, _i64, _ptr, _i32],
     "quant_dequantize_bf16": [_ptr, _i32, _i64, _i64, _ptr, _i32],
 }  # fmt: skip
 
-_RETURNS_INT = ("paged_attention", "quant_linear", "quant_linear_i8", "quant_linear_rounded")
+_RETURNS_INT = (
+    "paged_attention", "quant_linear", "quant_linear_i8", "quant_linear_rounded",
+    "quant_linear_bf16", "q4g_bf16_native",
+)  # fmt: skip
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -84,19 +92,25 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _flags() -> list[str]:
+    march = os.environ.get("APPLIANCE_KERNEL_MARCH")
+    return [f"-march={march}" if march and f == "-march=native" else f for f in FLAGS]
+
+
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    flags = _flags()
     h = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):  # sources and headers
         h.update(path.name.encode() + path.read_bytes())
-    h.update(" ".join(FLAGS).encode() + version.encode() + _cpu_flags().encode())
+    h.update(" ".join(flags).encode() + version.encode() + _cpu_flags().encode())
     out = cache_dir() / f"appliance_kernels-{h.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        cmd = [cc, *FLAGS, "-o", str(tmp_so), *(str(CSRC / s) for s in SOURCES), "-lm"]
+        cmd = [cc, *flags, "-o", str(tmp_so), *(str(CSRC / s) for s in SOURCES), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")

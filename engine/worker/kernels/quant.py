@@ -1,8 +1,10 @@
-"""The block-quantized linear kernel (csrc/quant_linear.c) from torch tensors.
+"""The block-quantized linear kernels (csrc/quant_linear*.c) from torch tensors.
 
-`linear(x, data, kind, cols, bias)` multiplies fp32 rows by a weight in q4 or q8 blocks
-(engine/worker/quant/blocks.py) without dequantizing it in memory; the caller converts
-bf16 activations. `available()` says whether the library loaded.
+`linear(x, data, kind, cols, bias)` multiplies fp32 rows by a weight in q4, q8 or q4
+column-group blocks (engine/worker/quant/blocks.py) without dequantizing it in memory;
+`linear_bf16` takes and returns bf16 rows (fp32 inside, one rounding). `available()` says
+whether the library loaded, `bf16_native()` whether the column-group kernel multiplies bf16
+rows with the CPU's bf16 dot product (else they are widened to fp32 inside the C call).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from engine.worker.kernels.build import library
+
+Q4G_KIND = 16  # csrc/quant_q4g.h (engine/worker/quant/blocks.py: Q4G)
 
 # `int8_activations` -> the library function.
 _KERNELS = {
@@ -23,6 +27,20 @@ def available() -> bool:
     return library() is not None
 
 
+def bf16_native() -> bool:
+    lib = library()
+    return lib is not None and bool(lib.q4g_bf16_native())
+
+
+def _out_rows(data: torch.Tensor, kind: int, rows: int | None) -> int:
+    """Output features: the data's rows, except for column groups (16 per row of data)."""
+    if rows is not None:
+        return rows
+    if kind == Q4G_KIND:
+        raise ValueError("column-group data needs its row count")
+    return data.shape[0]
+
+
 def linear(
     x: torch.Tensor,  # [M, K] fp32, unit inner stride
     data: torch.Tensor,  # uint8 [N, K / 32 * block bytes]
@@ -30,6 +48,7 @@ def linear(
     cols: int,  # K
     bias: torch.Tensor | None,  # fp32 [N]
     int8_activations: str | None = None,
+    rows: int | None = None,  # N; required for column groups
 ) -> torch.Tensor:  # [M, N] fp32
     """`int8_activations`: None, csrc/quant_linear.c (fp32 products); "dot", the integer
     dot products of csrc/quant_linear_i8.c (x quantized per 32-value block); "rounded", x
@@ -37,7 +56,7 @@ def linear(
     lib = library()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    m, n = x.shape[0], data.shape[0]
+    m, n = x.shape[0], _out_rows(data, kind, rows)
     y = torch.empty(m, n, dtype=torch.float32)
     fn = _KERNELS[int8_activations](lib)
     rc = fn(
@@ -50,11 +69,35 @@ def linear(
     return y
 
 
+def linear_bf16(
+    x: torch.Tensor,  # [M, K] bf16
+    data: torch.Tensor,
+    kind: int,
+    cols: int,
+    bias: torch.Tensor | None,  # fp32 [N]
+    rows: int | None = None,
+) -> torch.Tensor:  # [M, N] bf16
+    """bf16 rows through the blocks: fp32 products and bias, the result rounded once."""
+    lib = library()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], _out_rows(data, kind, rows)
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = lib.quant_linear_bf16(
+        x.data_ptr(), x.stride(0), data.data_ptr(), kind, n, cols,
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), n, m,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"quant_linear_bf16 failed ({rc}): K={cols} must be a multiple of 32")
+    return y
+
+
 def dequantize_into(data: torch.Tensor, kind: int, cols: int, out: torch.Tensor) -> torch.Tensor:
     """Blocks -> `out` [N, K] (contiguous, fp32 or bf16: rounded to nearest even), returned."""
     lib = library()
     fn = lib.quant_dequantize_bf16 if out.dtype == torch.bfloat16 else lib.quant_dequantize
-    fn(data.data_ptr(), kind, data.shape[0], cols, out.data_ptr(), torch.get_num_threads())
+    fn(data.data_ptr(), kind, out.shape[0], cols, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -70,12 +113,16 @@ class BoundLinear:
         cols: int,
         bias: torch.Tensor | None,
         int8_activations: str | None = None,  # as in `linear`
+        rows: int | None = None,  # as in `linear`
     ):
         self._keep = (data, bias)  # the pointers below stay valid while these live
-        self._fn = _KERNELS[int8_activations](library())
-        self._args = (data.data_ptr(), kind, data.shape[0], cols,
+        lib = library()
+        self._fn = _KERNELS[int8_activations](lib)
+        self._fn_bf16 = lib.quant_linear_bf16
+        n = _out_rows(data, kind, rows)
+        self._args = (data.data_ptr(), kind, n, cols,
                       bias.data_ptr() if bias is not None else None)  # fmt: skip
-        self.out_features = data.shape[0]
+        self.out_features = n
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] fp32, unit inner stride
         m = x.shape[0]
@@ -83,4 +130,13 @@ class BoundLinear:
         w, kind, n, k, b = self._args
         self._fn(x.data_ptr(), x.stride(0), w, kind, n, k, b, y.data_ptr(), n, m,
                  torch.get_num_threads())  # fmt: skip
+        return y
+
+    def bf16(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16, unit inner stride
+        """bf16 rows in and out (the fp32 products rounded once; int8 kernels excluded)."""
+        m = x.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        w, kind, n, k, b = self._args
+        self._fn_bf16(x.data_ptr(), x.stride(0), w, kind, n, k, b, y.data_ptr(), n, m,
+                      torch.get_num_threads())  # fmt: skip
         return y

@@ -11,6 +11,10 @@ features: fused q/k/v, tensor-parallel row shards) concatenate and slice as plai
 and columns slice at block boundaries. `dequantize` is the torch reference of what the C
 kernels (engine/worker/kernels/csrc/quant_linear.c) compute; `quantize_q4` / `quantize_q8`
 quantize float weights at load (`model.quantization: int4 | int8`).
+
+A layer's q4 blocks are regrouped once loaded (`to_column_groups`, kind `Q4G`): the same d,
+m and q bytes with 16 output columns side by side, the layout the small-batch kernels
+read fastest (csrc/quant_linear_q4g.c); `from_column_groups` gives the blocks back.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ BLOCK = 32
 Q4 = 4
 Q8 = 8
 BLOCK_BYTES = {Q4: 20, Q8: 34}
+# q4 in column groups (csrc/quant_q4g.h; kernels/quant.py: Q4G_KIND): 16 columns x one
+# block = 320 bytes
+Q4G = 16
+GROUP_COLS = 16
+GROUP_BLOCK_BYTES = GROUP_COLS * BLOCK_BYTES[Q4]
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,52 @@ def quantize_q8(w: torch.Tensor) -> BlockTensor:
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = (g / safe[..., None]).round().clamp(-127, 127).reshape(n, k)
     return pack_q8(q, d)
+
+
+def to_column_groups(t: BlockTensor) -> torch.Tensor:
+    """q4 blocks [N, K] -> uint8 [ceil(N / 16), K / 32 * 320] in the column-group layout of
+    csrc/quant_linear_q4g.c: per group of 16 columns (the last zero-padded), per block, the
+    16 fp16 d, the 16 fp16 m, then 8 chunks of 4 features where column i's two bytes are
+    q[k] | q[k+2] << 4 and q[k+1] | q[k+3] << 4."""
+    if t.kind != Q4:
+        raise ValueError("only q4 blocks regroup")
+    n, nb = t.rows, t.cols // BLOCK
+    groups = -(-n // GROUP_COLS)
+    b = t.data.view(n, nb, BLOCK_BYTES[Q4])
+    if groups * GROUP_COLS != n:
+        b = torch.cat([b, b.new_zeros(groups * GROUP_COLS - n, nb, BLOCK_BYTES[Q4])])
+    nib = b[..., 4:20]
+    q = torch.cat([nib & 0x0F, nib >> 4], dim=-1)  # [N', nb, 32]: weights 0..31 of a block
+
+    def per_group(x: torch.Tensor) -> torch.Tensor:  # [N', nb, ...] -> [G, nb, 16, ...]
+        return x.reshape(groups, GROUP_COLS, nb, *x.shape[2:]).transpose(1, 2)
+
+    d, m = per_group(b[..., 0:2]), per_group(b[..., 2:4])  # [G, nb, 16, 2]
+    qg = per_group(q.reshape(-1, nb, 8, 4)).transpose(2, 3)  # [G, nb, 8 chunks, 16, 4]
+    chunk = torch.stack([qg[..., 0] | (qg[..., 2] << 4), qg[..., 1] | (qg[..., 3] << 4)], -1)
+    parts = [d.reshape(groups, nb, 32), m.reshape(groups, nb, 32), chunk.reshape(groups, nb, 256)]
+    return torch.cat(parts, dim=-1).reshape(groups, nb * GROUP_BLOCK_BYTES).contiguous()
+
+
+def from_column_groups(data: torch.Tensor, rows: int, cols: int) -> BlockTensor:
+    """The inverse of `to_column_groups`: q4 blocks [rows, cols]."""
+    nb = cols // BLOCK
+    g = data.view(-1, nb, GROUP_BLOCK_BYTES)
+    groups = g.shape[0]
+
+    def per_column(x: torch.Tensor) -> torch.Tensor:  # [G, nb, 16, ...] -> [N', nb, ...]
+        return x.transpose(1, 2).reshape(groups * GROUP_COLS, nb, *x.shape[3:])
+
+    d = per_column(g[..., 0:32].reshape(groups, nb, GROUP_COLS, 2))
+    m = per_column(g[..., 32:64].reshape(groups, nb, GROUP_COLS, 2))
+    chunk = g[..., 64:].reshape(groups, nb, 8, GROUP_COLS, 2)
+    q4 = torch.stack(
+        [chunk[..., 0] & 0x0F, chunk[..., 1] & 0x0F, chunk[..., 0] >> 4, chunk[..., 1] >> 4], -1
+    )  # [G, nb, 8, 16, 4]: q[k .. k+3]
+    q = per_column(q4.transpose(2, 3)).reshape(-1, nb, BLOCK)  # [N', nb, 32]
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    blocks = torch.cat([d, m, nibbles], dim=-1)[:rows]
+    return BlockTensor(Q4, blocks.reshape(rows, -1).contiguous(), cols)
 
 
 def concat_rows(parts: list[BlockTensor]) -> BlockTensor:

@@ -6,7 +6,13 @@ loads its own checkpoint tensors (`load_tensor`: float rows, or GGUF blocks alre
 one of the two block formats of `blocks.py`), joins fused projections (q/k/v, gate/up) row
 by row, and after the load (`finalize`) holds one of:
 
-    q4 / q8 blocks   the CPU kernels multiply them as they are (no float copy kept)
+    q4 / q8 blocks   the CPU kernels multiply them as they are (no float copy kept); q4
+                     blocks are regrouped at load into column groups (blocks.py,
+                     `to_column_groups`: the same bytes, 16 output columns side by side),
+                     the layout csrc/quant_linear_q4g.c reads at memory speed. Kept in
+                     GGUF's layout: with int8 activations (their kernel reads that one),
+                     without the kernel library, and for the token embedding (looked up
+                     by rows)
     a dense weight   a float tensor the checkpoint carried as float (under `auto`), or any
                      weight on CUDA, where blocks are dequantized once to the model dtype
                      at load (logged): the CUDA kernels for these formats are not built
@@ -14,9 +20,12 @@ by row, and after the load (`finalize`) holds one of:
 The kernel choice by row count lives here and only here (`QuantLinear.forward`), on the
 CPU with the kernel library loaded:
 
-    rows <  DENSE_ROWS   csrc/quant_linear.c (`model.quant_activations` float, the
-                         default): each block widened to fp32 in registers, exactly the
-                         dequantized weights' products; or csrc/quant_linear_i8.c (int8):
+    rows <  DENSE_ROWS   csrc/quant_linear_q4g.c for q4 column groups, csrc/quant_linear.c
+                         for q8 (`model.quant_activations` float, the default): fp32 rows
+                         times the weights widened in registers, exactly the dequantized
+                         weights' products; bf16 rows in and out of one C call (q4 groups
+                         on AVX512-BF16: the bf16 dot product of q with the rows, exact per
+                         product; else widened inside); or csrc/quant_linear_i8.c (int8):
                          the rows rounded to int8 per 32 values, then below INT8_DOT_ROWS
                          one byte-wise multiply-add per block, from there the rounded rows
                          through the fp32 kernel. Both read each block once per 4 rows
@@ -48,13 +57,16 @@ from engine.worker.kernels import quant as qkernels
 from engine.worker.quant.blocks import (
     BLOCK,
     Q4,
+    Q4G,
     Q8,
     BlockTensor,
     concat_rows,
     dequantize,
+    from_column_groups,
     quantize_q4,
     quantize_q8,
     round_activations_int8,
+    to_column_groups,
 )
 
 logger = logging.getLogger(__name__)
@@ -101,8 +113,11 @@ class QuantLinear(nn.Module):
         group: int = BLOCK,
         scratch: DenseScratch | None = None,
         dtype: torch.dtype = torch.float32,
+        column_groups: bool = True,
     ):
+        """`column_groups` False keeps q4 blocks in GGUF's layout (a lookup table's rows)."""
         super().__init__()
+        self.column_groups = column_groups
         self.in_features, self.out_features = in_features, out_features
         self.target, self.group = target, group
         self.scratch = scratch or DenseScratch()
@@ -117,7 +132,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.register_buffer("qdata", torch.empty(0, dtype=torch.uint8), persistent=False)
         self.register_buffer("dense", torch.empty(0), persistent=False)
-        self.kind: int | None = None  # Q4 / Q8 once finalized with blocks; None: dense
+        self.kind: int | None = None  # Q4 / Q4G / Q8 once finalized with blocks; None: dense
         self._staged: dict[str, torch.Tensor | BlockTensor] = {}
         self._biases: dict[str, torch.Tensor] = {}
         self.finalized = False
@@ -170,12 +185,24 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             self.bias = nn.Parameter(self.bias.detach().float().contiguous(), requires_grad=False)
         if qkernels.available():
+            if self.kind == Q4 and self.column_groups and not self.int8_activations:
+                self.kind, self.qdata = Q4G, to_column_groups(blocks)
             names = ("dot", "rounded") if self.int8_activations else (None,)
             self._bound = {
-                n: qkernels.BoundLinear(self.qdata, self.kind, self.in_features, self.bias, n)
+                n: qkernels.BoundLinear(
+                    self.qdata, self.kind, self.in_features, self.bias, n, rows=self.out_features
+                )
                 for n in names
             }
         return _NAMES[blocks.kind]
+
+    def blocks(self) -> BlockTensor:
+        """The weight as q4 / q8 blocks in GGUF's layout (whatever layout is kept)."""
+        if self.kind == Q4G:
+            return from_column_groups(self.qdata, self.out_features, self.in_features)
+        if self.kind is None:
+            raise ValueError("a dense layer has no blocks")
+        return BlockTensor(self.kind, self.qdata, self.in_features)
 
     def weight_bytes(self) -> int:
         return self.qdata.numel() + self.dense.numel() * self.dense.element_size()
@@ -191,11 +218,13 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self._bound and x.dim() == 2 and 0 < x.shape[0] < DENSE_ROWS:
             fast = self._bound[self._small_rows_kernel(x.shape[0])]
-            # The decode step: no reshape; bf16 rows widened once and the result rounded.
+            # The decode step: no reshape; bf16 rows in and out of one C call.
             if x.dtype == torch.float32 and x.stride(-1) == 1:
                 return fast(x)
             if x.dtype == torch.bfloat16:
-                return fast(x.float()).to(torch.bfloat16)
+                if self.int8_activations:
+                    return fast(x.float()).to(torch.bfloat16)
+                return fast.bf16(x if x.stride(-1) == 1 else x.contiguous())
         if self.kind is None:
             return F.linear(x, self.dense, None if self.bias is None else self.bias.to(x.dtype))
         lead = x.shape[:-1]
@@ -211,7 +240,9 @@ class QuantLinear(nn.Module):
             y = x2.new_empty(0, self.out_features)
         elif rows < DENSE_ROWS and qkernels.available():
             kernel = self._small_rows_kernel(rows)
-            y = qkernels.linear(x2, self.qdata, self.kind, self.in_features, self.bias, kernel)
+            y = qkernels.linear(
+                x2, self.qdata, self.kind, self.in_features, self.bias, kernel, self.out_features
+            )
         else:
             if self.int8_activations:  # the same activations the int8 kernel multiplies
                 x2 = round_activations_int8(x2)
@@ -220,7 +251,7 @@ class QuantLinear(nn.Module):
 
     def _dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not qkernels.available():
-            return dequantize(BlockTensor(self.kind, self.qdata, self.in_features), dtype)
+            return dequantize(self.blocks(), dtype)
         out = self.scratch.take(self.out_features, self.in_features, dtype)
         return qkernels.dequantize_into(self.qdata, self.kind, self.in_features, out)
 
@@ -241,7 +272,9 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp, self.vocab_start, self.act_dtype = tp, vocab_start, dtype
-        self.linear = QuantLinear(embedding_dim, num_embeddings, False, target=None, dtype=dtype)
+        self.linear = QuantLinear(
+            embedding_dim, num_embeddings, False, target=None, dtype=dtype, column_groups=False
+        )
 
     def load_tensor(self, leaf: str, shard: str | None, tensor):
         self.linear.load_tensor(leaf, shard, tensor)

@@ -1,7 +1,14 @@
 """The q4/q8 block formats and the block linear: exact layouts, the kernel equal to the
-dequantized product on both sides of the row-count rule, slicing at block boundaries."""
+dequantized product on both sides of the row-count rule, slicing at block boundaries; the
+q4 column-group layout and its fp32 and bf16 kernels (on this CPU's ISA, and built for AVX2
+and for plain C in a subprocess)."""
 
 from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,13 +17,16 @@ from engine.worker.kernels import quant as qkernels
 from engine.worker.quant import linear as qlinear
 from engine.worker.quant.blocks import (
     Q4,
+    Q4G,
     Q8,
     BlockTensor,
     dequantize,
+    from_column_groups,
     pack_q4,
     quantize_q4,
     quantize_q8,
     round_activations_int8,
+    to_column_groups,
 )
 from engine.worker.quant.linear import QuantLinear
 
@@ -53,17 +63,77 @@ def test_int4_group_wider_than_a_block_shares_its_scale():
     assert torch.equal(b[:, 0, :4], b[:, 1, :4]) and torch.equal(b[:, 2, :4], b[:, 3, :4])
 
 
+def _weight_data(t: BlockTensor, kind: int) -> torch.Tensor:
+    return to_column_groups(t) if kind == Q4G else t.data
+
+
+def test_column_groups_hold_the_same_bytes_in_groups_of_16_columns():
+    t = quantize_q4(_w(n=40, k=96))  # 40 = 2 groups + 8 columns padded with zeros
+    g = to_column_groups(t)
+    assert g.shape == (3, 3 * 320)
+    back = from_column_groups(g, 40, 96)
+    assert torch.equal(back.data, t.data)
+    blocks = t.data.view(40, 3, 20)
+    first = g.view(3, 3, 320)[0, 1]  # group 0, block 1
+    assert torch.equal(first[0:32].view(16, 2), blocks[:16, 1, 0:2])  # the 16 columns' d
+    assert torch.equal(first[32:64].view(16, 2), blocks[:16, 1, 2:4])  # ... and m
+    q = torch.cat([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], -1)  # [40, 3, 32]
+    col, k = 5, 8  # chunk 2, column 5: q[8] | q[10] << 4, q[9] | q[11] << 4
+    pair = first[64 + 2 * 32 + 2 * col : 64 + 2 * 32 + 2 * col + 2]
+    assert pair.tolist() == [
+        int(q[col, 1, k] | q[col, 1, k + 2] << 4),
+        int(q[col, 1, k + 1] | q[col, 1, k + 3] << 4),
+    ]
+    assert bool((g.view(3, 3, 320)[2, :, :32].view(3, 16, 2)[:, 8:] == 0).all())  # padding
+
+
 @needs_kernels
-@pytest.mark.parametrize("kind", [Q4, Q8])
+@pytest.mark.parametrize("kind", [Q4, Q4G, Q8])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
 def test_block_kernel_equals_the_dequantized_product(kind, rows):
     w = _w(n=40, k=96)
-    t = quantize_q4(w) if kind == Q4 else quantize_q8(w)
+    t = quantize_q8(w) if kind == Q8 else quantize_q4(w)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(40)
-    y = qkernels.linear(x, t.data, kind, 96, bias)
+    y = qkernels.linear(x, _weight_data(t, kind), kind, 96, bias, rows=40)
     expected = x.double() @ dequantize(t).double().t() + bias.double()
     torch.testing.assert_close(y.double(), expected, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", [Q4, Q4G, Q8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_bf16_rows_get_the_exact_product_rounded_once(kind, rows):
+    """bf16 in, bf16 out: the dequantized weights times the bf16 rows plus the bias, in fp32
+    (exact products, fp32 sums), rounded to bf16 once: within one bf16 rounding of the fp64
+    value. The bias is fp32 (not rounded to bf16 first)."""
+    w = _w(n=40, k=96)
+    t = quantize_q8(w) if kind == Q8 else quantize_q4(w)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    bias = torch.randn(40)
+    y = qkernels.linear_bf16(x, _weight_data(t, kind), kind, 96, bias, rows=40)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 40)
+    exact = x.double() @ dequantize(t).double().t() + bias.double()
+    # one rounding to bf16 (2^-9 relative) plus fp32 summation error
+    torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=2**-8)
+    assert float((y.double() - exact.bfloat16().double()).abs().gt(1e-6).float().mean()) < 0.05
+
+
+@needs_kernels
+def test_column_group_kernels_on_every_shape_edge():
+    """Columns not a multiple of 16, one block, many blocks, rows past the 4-row tile."""
+    for n, k, rows in ((1, 32, 1), (17, 64, 6), (33, 320, 13), (64, 1536, 2)):
+        t = quantize_q4(_w(n=n, k=k, seed=n))
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+        g = to_column_groups(t)
+        exact = x.double() @ dequantize(t).double().t()
+        y = qkernels.linear(x, g, Q4G, k, None, rows=n)
+        torch.testing.assert_close(y.double(), exact, atol=5e-6, rtol=1e-5)
+        yb = qkernels.linear_bf16(x.bfloat16(), g, Q4G, k, None, rows=n)
+        exact_b = x.bfloat16().double() @ dequantize(t).double().t()
+        torch.testing.assert_close(yb.double(), exact_b, atol=1e-5, rtol=2**-8)
+        out = qkernels.dequantize_into(g, Q4G, k, torch.empty(n, k))
+        torch.testing.assert_close(out, dequantize(t), atol=0, rtol=1e-6)
 
 
 @needs_kernels
@@ -91,7 +161,7 @@ def test_int8_activations_give_one_answer_on_both_sides_of_the_row_rule(rows):
     w, bias = _w(n=64, k=96), torch.randn(64)
     layer = _layer(w, Q4, bias, int8=True)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(2))
-    wd = dequantize(BlockTensor(Q4, layer.qdata, 96)).double()
+    wd = dequantize(layer.blocks()).double()
     expected = round_activations_int8(x).double() @ wd.t() + bias.double()
     torch.testing.assert_close(layer(x).double(), expected, atol=2e-5, rtol=1e-4)
 
@@ -108,15 +178,25 @@ def _layer(w, kind, bias=None, shard_sizes=None, int8=False):
     return layer
 
 
+def test_q4_layers_keep_column_groups_only_where_a_kernel_reads_them():
+    layer = _layer(_w(n=40, k=96), Q4)
+    assert layer.kind == (Q4G if qkernels.available() else Q4)
+    assert torch.equal(layer.blocks().data, quantize_q4(_w(n=40, k=96)).data)
+    assert _layer(_w(n=40, k=96), Q4, int8=True).kind == Q4  # the int8 kernel reads GGUF's
+    assert _layer(_w(n=40, k=96), Q8).kind == Q8
+
+
 @pytest.mark.parametrize("rows", [1, qlinear.DENSE_ROWS - 1, qlinear.DENSE_ROWS, 70])
 def test_quant_linear_gives_one_answer_on_both_sides_of_the_row_rule(rows):
     w, bias = _w(n=64, k=96), torch.randn(64)
     layer = _layer(w, Q4, bias)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(2))
-    expected = x.double() @ dequantize(BlockTensor(Q4, layer.qdata, 96)).double().t()
+    expected = x.double() @ dequantize(layer.blocks()).double().t()
     torch.testing.assert_close(layer(x).double(), expected + bias.double(), atol=2e-5, rtol=1e-4)
     bf = layer(x.bfloat16())
     assert bf.dtype == torch.bfloat16 and bf.shape == (rows, 64)
+    expected_bf = x.bfloat16().double() @ dequantize(layer.blocks()).double().t()
+    torch.testing.assert_close(bf.double(), expected_bf + bias.double(), atol=3e-2, rtol=1e-2)
 
 
 def test_fused_shards_join_in_order_and_a_missing_one_is_refused():
@@ -126,7 +206,7 @@ def test_fused_shards_join_in_order_and_a_missing_one_is_refused():
     layer.load_tensor("weight", "q", q)
     layer.finalize()
     torch.testing.assert_close(
-        dequantize(BlockTensor(Q8, layer.qdata, 96)),
+        dequantize(layer.blocks()),
         torch.cat([dequantize(quantize_q8(q)), dequantize(quantize_q8(k))]),
     )
     incomplete = QuantLinear(96, 48, False, target=Q8, shard_sizes={"q": 32, "k": 16})
@@ -146,11 +226,12 @@ def test_columns_slice_only_at_block_boundaries():
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", [Q4, Q8])
+@pytest.mark.parametrize("kind", [Q4, Q4G, Q8])
 def test_the_bf16_copy_is_the_blocks_rounded_to_bf16(kind):
     w = _w(n=40, k=96)
-    t = quantize_q4(w) if kind == Q4 else quantize_q8(w)
-    out = qkernels.dequantize_into(t.data, kind, 96, torch.empty(40, 96, dtype=torch.bfloat16))
+    t = quantize_q8(w) if kind == Q8 else quantize_q4(w)
+    out = torch.empty(40, 96, dtype=torch.bfloat16)
+    out = qkernels.dequantize_into(_weight_data(t, kind), kind, 96, out)
     ref = dequantize(t, torch.bfloat16)
     # the same fp32 value rounded to nearest even (an FMA in d q + m may move one ulp)
     torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2**-8)
@@ -163,6 +244,39 @@ def test_bf16_activations_at_many_rows_run_the_bf16_gemm_on_the_bf16_copy():
     x = torch.randn(qlinear.DENSE_ROWS + 6, 96, generator=torch.Generator().manual_seed(3))
     y = layer(x.bfloat16())
     assert y.dtype == torch.bfloat16
-    wd = dequantize(BlockTensor(Q4, layer.qdata, 96), torch.bfloat16).double()
+    wd = dequantize(layer.blocks(), torch.bfloat16).double()
     expected = x.bfloat16().double() @ wd.t() + bias.bfloat16().double()
     torch.testing.assert_close(y.double(), expected, atol=3e-2, rtol=1e-2)
+
+
+_ISA_CHECK = """
+import torch
+from engine.worker.kernels import quant as qk
+from engine.worker.quant.blocks import Q4G, dequantize, quantize_q4, to_column_groups
+assert qk.available()
+for n, k, rows in ((40, 96, 1), (17, 64, 6), (48, 1536, 5)):
+    t = quantize_q4(torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.05)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    bias = torch.randn(n)
+    exact = x.double() @ dequantize(t).double().t() + bias.double()
+    y = qk.linear(x, to_column_groups(t), Q4G, k, bias, rows=n)
+    torch.testing.assert_close(y.double(), exact, atol=5e-6, rtol=1e-5)
+    yb = qk.linear_bf16(x.bfloat16(), to_column_groups(t), Q4G, k, bias, rows=n)
+    exact_b = x.bfloat16().double() @ dequantize(t).double().t() + bias.double()
+    torch.testing.assert_close(yb.double(), exact_b, atol=1e-5, rtol=2**-8)
+print("native bf16", qk.bf16_native())
+"""
+
+
+@needs_kernels
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA levels")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_column_group_kernels_built_for_avx2_and_for_plain_c(march, tmp_path):
+    """The AVX2 and plain C paths of csrc/quant_linear_q4g.c, whatever this CPU has: the
+    library built with -march=<level> in a subprocess (its own kernel cache)."""
+    env = dict(os.environ, APPLIANCE_KERNEL_MARCH=march, APPLIANCE_KERNEL_CACHE=str(tmp_path / "k"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _ISA_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "native bf16 False" in proc.stdout  # neither level has AVX512-BF16

@@ -29,7 +29,6 @@ from engine.worker.models import gguf_loader
 from engine.worker.models.default_model import default_model_gguf
 from engine.worker.models.loader import load_model
 from engine.worker.quant.blocks import (
-    BlockTensor,
     dequantize,
     quantize_q4,
     quantize_q8,
@@ -74,7 +73,8 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def perturb_one_group(model, path="model.layers.0.mlp.down_proj") -> None:
-    """Multiplies the scale d of the first block of the first row of one layer by 1.5."""
+    """Multiplies the scale d of the first block of the first row of one layer by 1.5 (the
+    first two bytes in both the GGUF and the column-group layout)."""
     layer: QuantLinear = model.get_submodule(path)
     d = layer.qdata[0, 0:2].view(torch.float16)
     d.mul_(1.5)
@@ -136,7 +136,7 @@ def check_int8_layers(loaded, seq, tol: float, what: str) -> None:
     worst = 0.0
     for name, x in _layer_inputs(loaded, seq).items():
         layer: QuantLinear = loaded.model.get_submodule(name)
-        w = dequantize(BlockTensor(layer.kind, layer.qdata, layer.in_features)).double()
+        w = dequantize(layer.blocks()).double()
         for rows in (1, x.shape[0]):
             y = layer(x[:rows].contiguous()).double()
             expected = round_activations_int8(x[:rows]).double() @ w.t()

@@ -11,11 +11,11 @@
 #include <stdint.h>
 #include <string.h>
 
-void write_kv(const void *k, int64_t ks, const void *v, int64_t vs, void *cache,
-              const int64_t *slots, int64_t tokens, int64_t row, int block_size, int elem,
-              int num_threads) {
+/* The copies shared out with an orphaned `omp for` (see fused_ops.c). */
+void write_kv_body(const void *k, int64_t ks, const void *v, int64_t vs, void *cache,
+                   const int64_t *slots, int64_t tokens, int64_t row, int block_size, int elem) {
     const int64_t row_bytes = row * elem, half = (int64_t)block_size * row_bytes;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens > 64)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t s = slots[t];
         if (s < 0) continue;
@@ -23,4 +23,11 @@ void write_kv(const void *k, int64_t ks, const void *v, int64_t vs, void *cache,
         memcpy(dst, (const char *)k + t * ks * elem, (size_t)row_bytes);
         memcpy(dst + half, (const char *)v + t * vs * elem, (size_t)row_bytes);
     }
+}
+
+void write_kv(const void *k, int64_t ks, const void *v, int64_t vs, void *cache,
+              const int64_t *slots, int64_t tokens, int64_t row, int block_size, int elem,
+              int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (tokens > 64)
+    write_kv_body(k, ks, v, vs, cache, slots, tokens, row, block_size, elem);
 }

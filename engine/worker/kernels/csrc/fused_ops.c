@@ -4,7 +4,9 @@
  * mul, mul; rotary: mul, slice, neg, cat, mul, add; SiLU-and-mul: chunk, silu, mul), every
  * one a full pass over memory plus a Python dispatch. A decode step of a small model runs
  * hundreds of them, so fusing them is worth as much as a faster GEMM. Each function here is
- * one pass, parallel over rows with OpenMP (torch's runtime, thread count from the caller).
+ * one pass, parallel with OpenMP (torch's runtime, thread count from the caller); the
+ * `_body` variants share their work out with an orphaned `omp for`, so decoder_stack.c
+ * runs them inside its own parallel region.
  *
  * Arithmetic follows transformers' order: statistics and products in fp32. With `bf16` set
  * every tensor argument is bf16 (weights, tables and the row data); values are widened to
@@ -19,9 +21,8 @@
 
 static inline __attribute__((always_inline)) void
 add_rms_norm_rows(const void *x, int64_t xs, void *residual, int64_t rs, const void *weight,
-                  float eps, void *out, int64_t os, int64_t rows, int n, int num_threads,
-                  const int bf16) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
+                  float eps, void *out, int64_t os, int64_t rows, int n, const int bf16) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t xo = r * xs, ro = r * rs, oo = r * os;
         float ss = 0.0f;
@@ -50,23 +51,39 @@ add_rms_norm_rows(const void *x, int64_t xs, void *residual, int64_t rs, const v
 
 /* x [rows, n] (row stride xs) optionally plus residual [rows, n] (stride rs, updated in
  * place to x + residual), then out = weight * (h / sqrt(mean(h^2) + eps)) with h the sum. */
+void fused_add_rms_norm_body(const void *x, int64_t xs, void *residual, int64_t rs,
+                             const void *weight, float eps, void *out, int64_t os,
+                             int64_t rows, int n, int bf16) {
+    if (bf16)
+        add_rms_norm_rows(x, xs, residual, rs, weight, eps, out, os, rows, n, 1);
+    else
+        add_rms_norm_rows(x, xs, residual, rs, weight, eps, out, os, rows, n, 0);
+}
+
 void fused_add_rms_norm(const void *x, int64_t xs, void *residual, int64_t rs,
                         const void *weight, float eps, void *out, int64_t os, int64_t rows,
                         int n, int num_threads, int bf16) {
-    if (bf16)
-        add_rms_norm_rows(x, xs, residual, rs, weight, eps, out, os, rows, n, num_threads, 1);
-    else
-        add_rms_norm_rows(x, xs, residual, rs, weight, eps, out, os, rows, n, num_threads, 0);
+#pragma omp parallel num_threads(num_threads) if (rows > 4)
+    fused_add_rms_norm_body(x, xs, residual, rs, weight, eps, out, os, rows, n, bf16);
 }
+
+/* Work in pieces of (row, SILU_COLS columns): a decode step's one row still splits
+ * across the threads (every output element is computed alone, so any split gives the
+ * same values). */
+#define SILU_COLS 512
 
 static inline __attribute__((always_inline)) void
 silu_mul_rows(const void *gate_up, int64_t gs, void *out, int64_t os, int64_t rows, int n,
-              int num_threads, const int bf16) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
-    for (int64_t r = 0; r < rows; r++) {
+              const int bf16) {
+    const int64_t per_row = (n + SILU_COLS - 1) / SILU_COLS;
+#pragma omp for schedule(static)
+    for (int64_t piece = 0; piece < rows * per_row; piece++) {
+        const int64_t r = piece / per_row;
+        const int i0 = (int)(piece % per_row) * SILU_COLS;
+        const int i1 = i0 + SILU_COLS < n ? i0 + SILU_COLS : n;
         const int64_t g0 = r * gs, u0 = g0 + n, o0 = r * os;
 #pragma omp simd
-        for (int i = 0; i < n; i++) {
+        for (int i = i0; i < i1; i++) {
             /* sigmoid from e = exp(-|g|) <= 1, so exp never overflows and no lane divides
              * by a huge number (GCC evaluates both sides of a clamp; a denormal quotient
              * there cost 10x through microcode assists) */
@@ -79,23 +96,30 @@ silu_mul_rows(const void *gate_up, int64_t gs, void *out, int64_t os, int64_t ro
 }
 
 /* gate_up [rows, 2 * n] (gate columns then up columns) -> out [rows, n] = silu(gate) * up. */
+void silu_and_mul_body(const void *gate_up, int64_t gs, void *out, int64_t os, int64_t rows,
+                       int n, int bf16) {
+    if (bf16)
+        silu_mul_rows(gate_up, gs, out, os, rows, n, 1);
+    else
+        silu_mul_rows(gate_up, gs, out, os, rows, n, 0);
+}
+
 void silu_and_mul(const void *gate_up, int64_t gs, void *out, int64_t os, int64_t rows, int n,
                   int num_threads, int bf16) {
-    if (bf16)
-        silu_mul_rows(gate_up, gs, out, os, rows, n, num_threads, 1);
-    else
-        silu_mul_rows(gate_up, gs, out, os, rows, n, num_threads, 0);
+#pragma omp parallel num_threads(num_threads) if (rows * n > 4 * SILU_COLS)
+    silu_and_mul_body(gate_up, gs, out, os, rows, n, bf16);
 }
 
 static inline __attribute__((always_inline)) void
 rope_rows(void *x, int64_t xs, int heads, int D, const int64_t *positions,
-          const void *cos_table, const void *sin_table, int64_t rows, int num_threads,
-          const int bf16) {
+          const void *cos_table, const void *sin_table, int64_t rows, const int bf16) {
     const int half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 4)
-    for (int64_t r = 0; r < rows; r++) {
+#pragma omp for schedule(static)
+    for (int64_t rh = 0; rh < rows * heads; rh++) { /* (row, head) pieces: see SILU_COLS */
+        const int64_t r = rh / heads;
+        const int h = (int)(rh % heads);
         const int64_t t = positions[r] * D;
-        for (int h = 0; h < heads; h++) {
+        {
             const int64_t v = r * xs + (int64_t)h * D;
 #pragma omp simd
             for (int d = 0; d < half; d++) {
@@ -117,11 +141,17 @@ rope_rows(void *x, int64_t xs, int heads, int D, const int64_t *positions,
  *   x[d + half] <- x[d + half] * c[d + half] + x[d] * s[d + half]        (d < half)
  * With bf16 set, x and both tables are bf16 (the tables rounded once, as transformers
  * casts cos/sin to the activations' dtype). */
+void rope_inplace_body(void *x, int64_t xs, int heads, int D, const int64_t *positions,
+                       const void *cos_table, const void *sin_table, int64_t rows, int bf16) {
+    if (bf16)
+        rope_rows(x, xs, heads, D, positions, cos_table, sin_table, rows, 1);
+    else
+        rope_rows(x, xs, heads, D, positions, cos_table, sin_table, rows, 0);
+}
+
 void rope_inplace(void *x, int64_t xs, int heads, int D, const int64_t *positions,
                   const void *cos_table, const void *sin_table, int64_t rows, int num_threads,
                   int bf16) {
-    if (bf16)
-        rope_rows(x, xs, heads, D, positions, cos_table, sin_table, rows, num_threads, 1);
-    else
-        rope_rows(x, xs, heads, D, positions, cos_table, sin_table, rows, num_threads, 0);
+#pragma omp parallel num_threads(num_threads) if (rows > 4)
+    rope_inplace_body(x, xs, heads, D, positions, cos_table, sin_table, rows, bf16);
 }

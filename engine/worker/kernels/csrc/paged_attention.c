@@ -21,6 +21,7 @@
  * loaded after torch, so it shares torch's OpenMP runtime; the caller passes the thread count.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -162,6 +163,34 @@ static void attend_any(const args_t *a, int64_t i, int h0, int h1) {
     }
 }
 
+/* The work of `paged_attention`, shared out with an orphaned `omp for` (its caller's
+ * parallel region: paged_attention's own, or decoder_stack.c's). `num_threads` is the
+ * region's size, which decides the split (the values do not depend on it). Returns 0, or -1
+ * for shapes past the stack buffers (the caller checks them first). */
+int paged_attention_body(const void *q, int64_t q_row_stride, int q_bf16, const void *cache,
+                         int is_bf16, const int32_t *block_tables, int64_t bt_stride,
+                         const int64_t *q_rows, const int64_t *reqs, const int64_t *pos,
+                         int64_t num_items, int H, int Hkv, int D, int block_size, int window,
+                         float scale, void *out, int64_t out_row_stride, int num_threads) {
+    const int G = H % Hkv ? 0 : H / Hkv;
+    if (!G || G > MAX_HEADS || G * D > MAX_ACC || block_size > MAX_BLOCK || D > MAX_D)
+        return -1;
+    const args_t a = {q, q_row_stride, q_bf16, cache, is_bf16, block_tables, bt_stride,
+                      q_rows, reqs, pos, H, Hkv, D, block_size, window, scale, out, out_row_stride};
+    /* Whole items when there are enough to share out and their state fits one task;
+     * else one task per (item, KV head). */
+    const int per_head = num_items < 4 * (int64_t)num_threads || H > MAX_HEADS || H * D > MAX_ACC;
+    const int64_t tasks = per_head ? num_items * Hkv : num_items;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        if (per_head)
+            attend_any(&a, task / Hkv, (int)(task % Hkv), (int)(task % Hkv) + 1);
+        else
+            attend_any(&a, task, 0, Hkv);
+    }
+    return 0;
+}
+
 /* Returns 0, or -1 for shapes past the stack buffers (the caller checks them first). */
 int paged_attention(const void *q, int64_t q_row_stride, int q_bf16, const void *cache,
                     int is_bf16, const int32_t *block_tables, int64_t bt_stride,
@@ -172,18 +201,9 @@ int paged_attention(const void *q, int64_t q_row_stride, int q_bf16, const void 
     const int G = H % Hkv ? 0 : H / Hkv;
     if (!G || G > MAX_HEADS || G * D > MAX_ACC || block_size > MAX_BLOCK || D > MAX_D)
         return -1;
-    const args_t a = {q, q_row_stride, q_bf16, cache, is_bf16, block_tables, bt_stride,
-                      q_rows, reqs, pos, H, Hkv, D, block_size, window, scale, out, out_row_stride};
-    /* Whole items when there are enough to share out and their state fits one task;
-     * else one task per (item, KV head). */
-    const int per_head = num_items < 4 * (int64_t)num_threads || H > MAX_HEADS || H * D > MAX_ACC;
-    const int64_t tasks = per_head ? num_items * Hkv : num_items;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t task = 0; task < tasks; task++) {
-        if (per_head)
-            attend_any(&a, task / Hkv, (int)(task % Hkv), (int)(task % Hkv) + 1);
-        else
-            attend_any(&a, task, 0, Hkv);
-    }
+#pragma omp parallel num_threads(num_threads)
+    paged_attention_body(q, q_row_stride, q_bf16, cache, is_bf16, block_tables, bt_stride,
+                         q_rows, reqs, pos, num_items, H, Hkv, D, block_size, window, scale,
+                         out, out_row_stride, omp_get_num_threads());
     return 0;
 }

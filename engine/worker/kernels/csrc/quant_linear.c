@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "quant_blocks.h"
+#include "quant_q4g.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -235,23 +236,41 @@ static inline void q8_column(const float *x, int64_t xs, const uint8_t *wrow, in
 #endif
 }
 
-/* kind 4: q4 blocks, kind 8: q8 blocks. bias (fp32 [N]) may be NULL. Returns 0, or -1 when
- * K is not a multiple of 32 or the scratch allocation fails. */
+void quant_linear_body(const float *x, int64_t xs, const uint8_t *w, int kind, int64_t N,
+                       int64_t K, const float *bias, float *y, int64_t ys, int64_t M,
+                       const float *sums);
+
+/* kind 4: q4 blocks, kind 8: q8 blocks, Q4G_KIND: q4 in column groups (quant_linear_q4g.c).
+ * bias (fp32 [N]) may be NULL. Returns 0, or -1 when K is not a multiple of 32 or the
+ * scratch allocation fails. */
 int quant_linear(const float *x, int64_t xs, const uint8_t *w, int kind, int64_t N, int64_t K,
                  const float *bias, float *y, int64_t ys, int64_t M, int num_threads) {
+    if (kind == Q4G_KIND) return q4g_linear_f32(x, xs, w, N, K, bias, y, ys, M, num_threads);
     if (K % QBLOCK || M <= 0 || N <= 0) return (K % QBLOCK) ? -1 : 0;
     const int64_t nb = K / QBLOCK;
-    const int64_t row_bytes = nb * (kind == 4 ? Q4_BYTES : Q8_BYTES);
     float *sums = NULL;
     if (kind == 4) {
         sums = (float *)malloc(sizeof(float) * (size_t)(M * nb));
         if (!sums) return -1;
         block_sums(x, xs, M, nb, sums);
     }
+#pragma omp parallel num_threads(num_threads) if (N * nb * M > 4096)
+    quant_linear_body(x, xs, w, kind, N, K, bias, y, ys, M, sums);
+    free(sums);
+    return 0;
+}
+
+/* Kinds 4 and 8 shared out with an orphaned `omp for` (decoder_stack.c calls it inside its
+ * region); `sums` holds x's block sums for q4 (`quant_block_sums`), NULL for q8. */
+void quant_linear_body(const float *x, int64_t xs, const uint8_t *w, int kind, int64_t N,
+                       int64_t K, const float *bias, float *y, int64_t ys, int64_t M,
+                       const float *sums) {
+    const int64_t nb = K / QBLOCK;
+    const int64_t row_bytes = nb * (kind == 4 ? Q4_BYTES : Q8_BYTES);
     /* Columns in chunks of 8 per thread step: few enough to balance, many enough that a
      * tile of x stays in L1 across them. */
     const int64_t chunks = (N + 7) / 8;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * nb * M > 4096)
+#pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * 8, n1 = n0 + 8 < N ? n0 + 8 : N;
         for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
@@ -268,8 +287,10 @@ int quant_linear(const float *x, int64_t xs, const uint8_t *w, int kind, int64_t
             }
         }
     }
-    free(sums);
-    return 0;
+}
+
+void quant_block_sums(const float *x, int64_t xs, int64_t M, int64_t nb, float *sums) {
+    block_sums(x, xs, M, nb, sums);
 }
 
 /* W in blocks -> fp32 [N, K] (row stride K): the large-batch path multiplies that with the
@@ -298,6 +319,10 @@ static inline void dequantize_row(const uint8_t *wrow, int kind, int64_t nb, flo
 
 void quant_dequantize(const uint8_t *w, int kind, int64_t N, int64_t K, float *out,
                       int num_threads) {
+    if (kind == Q4G_KIND) {
+        q4g_dequantize(w, N, K, out, 0, num_threads);
+        return;
+    }
     const int64_t nb = K / QBLOCK;
     const int64_t row_bytes = nb * (kind == 4 ? Q4_BYTES : Q8_BYTES);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -309,6 +334,10 @@ void quant_dequantize(const uint8_t *w, int kind, int64_t N, int64_t K, float *o
  * them), which writes and reads half the bytes of the fp32 copy and runs ~2x its FLOPs. */
 void quant_dequantize_bf16(const uint8_t *w, int kind, int64_t N, int64_t K, uint16_t *out,
                            int num_threads) {
+    if (kind == Q4G_KIND) {
+        q4g_dequantize(w, N, K, out, 1, num_threads);
+        return;
+    }
     const int64_t nb = K / QBLOCK;
     const int64_t row_bytes = nb * (kind == 4 ? Q4_BYTES : Q8_BYTES);
 #pragma omp parallel num_threads(num_threads)

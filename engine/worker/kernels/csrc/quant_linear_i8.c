@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "quant_blocks.h"
+#include "quant_q4g.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -169,10 +170,12 @@ int quant_linear_rounded(const float *x, int64_t xs, const uint8_t *w, int kind,
 }
 
 /* As quant_linear: kind 4 (q4) or 8 (q8); bias may be NULL; 0, or -1 for K not a multiple
- * of 32 or a failed scratch allocation. */
+ * of 32 or a failed scratch allocation, -2 for the column-group layout (int8 activations keep
+ * GGUF's layout: QuantLinear never regroups their layers). */
 int quant_linear_i8(const float *x, int64_t xs, const uint8_t *w, int kind, int64_t N,
                     int64_t K, const float *bias, float *y, int64_t ys, int64_t M,
                     int num_threads) {
+    if (kind == Q4G_KIND) return -2;
     if (K % QB || M <= 0 || N <= 0) return (K % QB) ? -1 : 0;
     const int64_t nb = K / QB;
     const int64_t row_bytes = nb * (kind == 4 ? Q4B : Q8B);

@@ -1,0 +1,394 @@
+/* y = x @ W^T for q4 weights kept in column groups: 16 output columns side by side, so a
+ * vector lane is an output column and no dot product ever needs a horizontal sum.
+ *
+ * Why another layout: quant_linear.c reads GGUF's own q4 blocks (one column's 32 weights
+ * at a time, two fp16 scales in front). At one row it is bound by instructions, not by
+ * memory: per 32 weights it converts two fp16 scales, widens 32 nibbles, multiplies them by
+ * d, and every column ends in a horizontal sum; on 2 cores of an AMD EPYC (Zen 4) that ran
+ * at ~11 GB/s against ~31 GB/s of memory bandwidth, and the layers' linears were most of a
+ * decode step. Here one 16-lane vector holds 16 columns: the scales of a block are two
+ * vectors (one load and one conversion for 16 columns), each activation is broadcast once
+ * for 16 columns, and each weight costs a byte shuffle, a conversion and one FMA lane.
+ *
+ * Layout (engine/worker/quant/blocks.py packs it from q4 blocks at load, byte for byte the
+ * same d, m and q): columns in groups of 16 (the last group zero-padded), group after group;
+ * within a group, block after block (32 input features each), 320 bytes per block:
+ *
+ *   [0, 32)    d of the 16 columns, fp16
+ *   [32, 64)   m of the 16 columns, fp16          w = d * q + m, q in 0..15
+ *   [64, 320)  8 chunks of 4 features (k = 4c .. 4c + 3), 32 bytes each: column i's two
+ *              bytes are q[k] | q[k+2] << 4 and q[k+1] | q[k+3] << 4
+ *
+ * so one 32-byte chunk widened to 16 dwords gives, after (v | v << 12) & 0x0F0F0F0F, each
+ * column's four q values as the four bytes of its lane, in order.
+ *
+ * Products: fp32 rows (`q4g_linear_f32`): q widened to fp32, an FMA per weight with the
+ * broadcast activation, then d and m applied per block: d * sum(q x) + m * sum(x), the
+ * dequantized weights' product up to the order of fp32 additions, as quant_linear.c.
+ * bf16 rows (`q4g_linear_bf16`, AVX512-BF16): each q (0..15) is exact in bf16, so the
+ * pairwise bf16 dot product (VDPBF16PS) of q with the bf16 activations is exact per product
+ * and accumulates in fp32; the result gets d, m and the bias in fp32 and is rounded to bf16
+ * once, as the fp32 kernel's result rounded would be (the instruction treats bf16 denormals
+ * as zero). Without AVX512-BF16 the bf16 entry widens the rows and runs the fp32 kernel.
+ *
+ * Both parallelize over groups of columns with an orphaned `omp for`, so the functions
+ * ending in `_body` also run inside a caller's parallel region (csrc/decoder_stack.c).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "quant_blocks.h"
+#include "quant_q4g.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+#define G_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define G_AVX2 1
+#endif
+#if defined(G_AVX512) && defined(__AVX512BF16__)
+#define G_BF16 1
+#endif
+
+#define RT 4 /* rows per pass over a group's blocks */
+
+/* Row r's sum of each 32-feature block (for m): sums[r * nb + b]. */
+void q4g_block_sums(const void *x, int64_t xs, int64_t M, int64_t nb, int bf16, float *sums) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.0f;
+            if (bf16) {
+                const uint16_t *p = (const uint16_t *)x + r * xs + b * QBLOCK;
+#pragma omp simd reduction(+ : s)
+                for (int i = 0; i < QBLOCK; i++) s += bf16_to_f32(p[i]);
+            } else {
+                const float *p = (const float *)x + r * xs + b * QBLOCK;
+#pragma omp simd reduction(+ : s)
+                for (int i = 0; i < QBLOCK; i++) s += p[i];
+            }
+            sums[r * nb + b] = s;
+        }
+}
+
+/* The q of column i, feature k of a block (for the plain C path and dequantizing). */
+static inline int q_at(const uint8_t *blk, int i, int k) {
+    const uint8_t *p = blk + Q4G_HEAD + (k >> 2) * 32 + 2 * i;
+    const int j = k & 3; /* bytes: q0 | q2 << 4, q1 | q3 << 4 */
+    const uint8_t byte = p[j & 1];
+    return j < 2 ? (byte & 0x0f) : (byte >> 4);
+}
+
+/* ---- fp32 rows ------------------------------------------------------------------------ */
+
+#if defined(G_AVX512)
+static inline __m512i chunk_bytes(const uint8_t *p) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    /* (v | v << 12) & 0x0F0F0F0F: 0xA8 is (A | B) & C */
+    return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12),
+                                     _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
+}
+
+static void group_f32(const float *x, int64_t xs, const uint8_t *gp, int64_t nb,
+                      const float *sums, int64_t r0, int R, __m512 *acc) {
+    const __m512i ff = _mm512_set1_epi32(0xff);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = gp + b * Q4G_BYTES;
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        /* four accumulators per row (one per byte of a lane): short FMA chains */
+        __m512 t[RT][4];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 4; i++) t[r][i] = _mm512_setzero_ps();
+        for (int c = 0; c < 8; c++) {
+            const __m512i D = chunk_bytes(blk + Q4G_HEAD + 32 * c);
+            const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(D, ff));
+            const __m512 q1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(D, 8), ff));
+            const __m512 q2 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(D, 16), ff));
+            const __m512 q3 = _mm512_cvtepi32_ps(_mm512_srli_epi32(D, 24));
+            for (int r = 0; r < R; r++) {
+                const float *xp = x + (r0 + r) * xs + b * QBLOCK + 4 * c;
+                t[r][0] = _mm512_fmadd_ps(q0, _mm512_set1_ps(xp[0]), t[r][0]);
+                t[r][1] = _mm512_fmadd_ps(q1, _mm512_set1_ps(xp[1]), t[r][1]);
+                t[r][2] = _mm512_fmadd_ps(q2, _mm512_set1_ps(xp[2]), t[r][2]);
+                t[r][3] = _mm512_fmadd_ps(q3, _mm512_set1_ps(xp[3]), t[r][3]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_add_ps(_mm512_add_ps(t[r][0], t[r][1]),
+                                           _mm512_add_ps(t[r][2], t[r][3]));
+            acc[r] = _mm512_fmadd_ps(dv, s, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sums[(r0 + r) * nb + b]), acc[r]);
+        }
+    }
+}
+#elif defined(G_AVX2)
+/* 8 columns (half a group) of one chunk: the bytes of each lane are q[k..k+3]. */
+static inline __m256i chunk_bytes8(const uint8_t *p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)),
+                            _mm256_set1_epi32(0x0F0F0F0F));
+}
+
+/* Columns [8h, 8h + 8) of the group; two rows per pass keep the accumulators in registers. */
+static void half_group_f32(const float *x, int64_t xs, const uint8_t *gp, int64_t nb,
+                           const float *sums, int64_t r0, int R, int h, __m256 *acc) {
+    const __m256i ff = _mm256_set1_epi32(0xff);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = gp + b * Q4G_BYTES;
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+        __m256 t[2][2];
+        for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm256_setzero_ps();
+        for (int c = 0; c < 8; c++) {
+            const __m256i D = chunk_bytes8(blk + Q4G_HEAD + 32 * c + 16 * h);
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(D, ff));
+            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(D, 8), ff));
+            const __m256 q2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(D, 16), ff));
+            const __m256 q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(D, 24));
+            for (int r = 0; r < R; r++) {
+                const float *xp = x + (r0 + r) * xs + b * QBLOCK + 4 * c;
+                t[r][0] = _mm256_fmadd_ps(q0, _mm256_set1_ps(xp[0]), t[r][0]);
+                t[r][1] = _mm256_fmadd_ps(q1, _mm256_set1_ps(xp[1]), t[r][1]);
+                t[r][0] = _mm256_fmadd_ps(q2, _mm256_set1_ps(xp[2]), t[r][0]);
+                t[r][1] = _mm256_fmadd_ps(q3, _mm256_set1_ps(xp[3]), t[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_fmadd_ps(dv, _mm256_add_ps(t[r][0], t[r][1]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sums[(r0 + r) * nb + b]), acc[r]);
+        }
+    }
+}
+#endif
+
+/* Plain C: one output (row r, column i of the group). */
+static float column_f32(const float *xr, const uint8_t *gp, int64_t nb, const float *sr, int i) {
+    float total = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = gp + b * Q4G_BYTES;
+        float t = 0.0f;
+        for (int k = 0; k < QBLOCK; k++) t += (float)q_at(blk, i, k) * xr[b * QBLOCK + k];
+        total += half_to_float(blk + 2 * i) * t + half_to_float(blk + 32 + 2 * i) * sr[b];
+    }
+    return total;
+}
+
+void q4g_linear_f32_body(const float *x, int64_t xs, const uint8_t *w, int64_t N, int64_t K,
+                         const float *bias, float *y, int64_t ys, int64_t M,
+                         const float *sums) {
+    const int64_t nb = K / QBLOCK, G = (N + Q4G_COLS - 1) / Q4G_COLS;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *gp = w + g * nb * Q4G_BYTES;
+        const int64_t n0 = g * Q4G_COLS;
+        const int valid = N - n0 < Q4G_COLS ? (int)(N - n0) : Q4G_COLS;
+        float out[Q4G_COLS];
+#if defined(G_AVX512)
+        for (int64_t r0 = 0; r0 < M; r0 += RT) {
+            const int R = (int)(M - r0 < RT ? M - r0 : RT);
+            __m512 acc[RT];
+            group_f32(x, xs, gp, nb, sums, r0, R, acc);
+            for (int r = 0; r < R; r++) {
+                _mm512_storeu_ps(out, acc[r]);
+                for (int i = 0; i < valid; i++)
+                    y[(r0 + r) * ys + n0 + i] = out[i] + (bias ? bias[n0 + i] : 0.0f);
+            }
+        }
+#elif defined(G_AVX2)
+        for (int64_t r0 = 0; r0 < M; r0 += 2) {
+            const int R = M - r0 < 2 ? 1 : 2;
+            for (int h = 0; h < 2; h++) {
+                __m256 acc[2];
+                half_group_f32(x, xs, gp, nb, sums, r0, R, h, acc);
+                for (int r = 0; r < R; r++) {
+                    _mm256_storeu_ps(out, acc[r]);
+                    for (int i = 0; i < 8 && 8 * h + i < valid; i++)
+                        y[(r0 + r) * ys + n0 + 8 * h + i] =
+                            out[i] + (bias ? bias[n0 + 8 * h + i] : 0.0f);
+                }
+            }
+        }
+#else
+        (void)out;
+        for (int64_t r = 0; r < M; r++)
+            for (int i = 0; i < valid; i++)
+                y[r * ys + n0 + i] = column_f32(x + r * xs, gp, nb, sums + r * nb, i) +
+                                     (bias ? bias[n0 + i] : 0.0f);
+#endif
+    }
+}
+
+/* Returns 0, or -1 when K is not a multiple of 32 or the scratch allocation fails. */
+int q4g_linear_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, int64_t K,
+                   const float *bias, float *y, int64_t ys, int64_t M, int num_threads) {
+    if (K % QBLOCK || M <= 0 || N <= 0) return (K % QBLOCK) ? -1 : 0;
+    const int64_t nb = K / QBLOCK;
+    float *sums = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    if (!sums) return -1;
+    q4g_block_sums(x, xs, M, nb, 0, sums);
+#pragma omp parallel num_threads(num_threads) if (N * nb * M > 4096)
+    q4g_linear_f32_body(x, xs, w, N, K, bias, y, ys, M, sums);
+    free(sums);
+    return 0;
+}
+
+/* ---- bf16 rows ------------------------------------------------------------------------ */
+
+int q4g_bf16_native(void) {
+#if defined(G_BF16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(G_BF16)
+/* One group's 16 outputs for rows [r0, r0 + R): the byte lanes become bf16 words through
+ * two 16-entry tables (the low and high byte of bf16(q), q = 0..15), interleaved: lanes of
+ * the low half hold (q[k], q[k+1]) and (q[k+2], q[k+3]) of columns 4L and 4L + 1 of each
+ * 128-bit lane L, the high half those of 4L + 2 and 4L + 3; the activations are broadcast as
+ * four bf16 values, and each column's two partial sums are added per block. */
+static void group_bf16(const uint16_t *x, int64_t xs, const uint8_t *gp, int64_t nb,
+                       const float *sums, int64_t r0, int R, __m512 *acc) {
+    static const uint8_t lo_t[16] = {0x00, 0x80, 0x00, 0x40, 0x80, 0xa0, 0xc0, 0xe0,
+                                     0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70};
+    static const uint8_t hi_t[16] = {0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
+                                     0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41};
+    const __m512i LT = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lo_t));
+    const __m512i HT = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)hi_t));
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = gp + b * Q4G_BYTES;
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        __m512 tl[RT][2], th[RT][2]; /* two chains each: even and odd chunks */
+        for (int r = 0; r < R; r++)
+            tl[r][0] = tl[r][1] = th[r][0] = th[r][1] = _mm512_setzero_ps();
+        for (int c = 0; c < 8; c++) {
+            const __m512i D = chunk_bytes(blk + Q4G_HEAD + 32 * c);
+            const __m512i L = _mm512_shuffle_epi8(LT, D), H = _mm512_shuffle_epi8(HT, D);
+            const __m512bh wl = (__m512bh)_mm512_unpacklo_epi8(L, H);
+            const __m512bh wh = (__m512bh)_mm512_unpackhi_epi8(L, H);
+            for (int r = 0; r < R; r++) {
+                int64_t four;
+                memcpy(&four, x + (r0 + r) * xs + b * QBLOCK + 4 * c, 8);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi64(four);
+                tl[r][c & 1] = _mm512_dpbf16_ps(tl[r][c & 1], wl, xv);
+                th[r][c & 1] = _mm512_dpbf16_ps(th[r][c & 1], wh, xv);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 l = _mm512_add_ps(tl[r][0], tl[r][1]);
+            const __m512 h = _mm512_add_ps(th[r][0], th[r][1]);
+            const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(l, h, _MM_SHUFFLE(2, 0, 2, 0)),
+                                           _mm512_shuffle_ps(l, h, _MM_SHUFFLE(3, 1, 3, 1)));
+            acc[r] = _mm512_fmadd_ps(dv, s, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sums[(r0 + r) * nb + b]), acc[r]);
+        }
+    }
+}
+#endif
+
+/* bf16 rows in, bf16 rows out (fp32 inside, one rounding). Native path only: the caller
+ * checks q4g_bf16_native() (q4g_linear_bf16 below falls back by itself). */
+void q4g_linear_bf16_body(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t N,
+                          int64_t K, const float *bias, uint16_t *y, int64_t ys, int64_t M,
+                          const float *sums) {
+#if defined(G_BF16)
+    const int64_t nb = K / QBLOCK, G = (N + Q4G_COLS - 1) / Q4G_COLS;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *gp = w + g * nb * Q4G_BYTES;
+        const int64_t n0 = g * Q4G_COLS;
+        const int valid = N - n0 < Q4G_COLS ? (int)(N - n0) : Q4G_COLS;
+        float out[Q4G_COLS];
+        for (int64_t r0 = 0; r0 < M; r0 += RT) {
+            const int R = (int)(M - r0 < RT ? M - r0 : RT);
+            __m512 acc[RT];
+            group_bf16(x, xs, gp, nb, sums, r0, R, acc);
+            for (int r = 0; r < R; r++) {
+                _mm512_storeu_ps(out, acc[r]);
+                for (int i = 0; i < valid; i++)
+                    y[(r0 + r) * ys + n0 + i] =
+                        f32_to_bf16(out[i] + (bias ? bias[n0 + i] : 0.0f));
+            }
+        }
+    }
+#else
+    (void)x, (void)xs, (void)w, (void)N, (void)K, (void)bias, (void)y, (void)ys, (void)M;
+    (void)sums;
+#endif
+}
+
+/* Rows widened to fp32, the fp32 kernel, the result rounded: where there is no native bf16
+ * dot product (and for the GGUF-layout kinds, through `quant_linear`). */
+int quant_linear(const float *x, int64_t xs, const uint8_t *w, int kind, int64_t N, int64_t K,
+                 const float *bias, float *y, int64_t ys, int64_t M, int num_threads);
+
+static int widened_bf16(const uint16_t *x, int64_t xs, const uint8_t *w, int kind, int64_t N,
+                        int64_t K, const float *bias, uint16_t *y, int64_t ys, int64_t M,
+                        int num_threads) {
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K));
+    float *yf = (float *)malloc(sizeof(float) * (size_t)(M * N));
+    int rc = -1;
+    if (xf && yf) {
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t i = 0; i < K; i++) xf[r * K + i] = bf16_to_f32(x[r * xs + i]);
+        rc = quant_linear(xf, K, w, kind, N, K, bias, yf, N, M, num_threads);
+        if (rc == 0)
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t i = 0; i < N; i++) y[r * ys + i] = f32_to_bf16(yf[r * N + i]);
+    }
+    free(xf);
+    free(yf);
+    return rc;
+}
+
+/* bf16 [M, K] rows -> bf16 [M, N] for any block kind (4, 8 or Q4G_KIND). 0, or -1 as
+ * quant_linear. */
+int quant_linear_bf16(const uint16_t *x, int64_t xs, const uint8_t *w, int kind, int64_t N,
+                      int64_t K, const float *bias, uint16_t *y, int64_t ys, int64_t M,
+                      int num_threads) {
+    if (K % QBLOCK || M <= 0 || N <= 0) return (K % QBLOCK) ? -1 : 0;
+    if (kind != Q4G_KIND || !q4g_bf16_native())
+        return widened_bf16(x, xs, w, kind, N, K, bias, y, ys, M, num_threads);
+    const int64_t nb = K / QBLOCK;
+    float *sums = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    if (!sums) return -1;
+    q4g_block_sums(x, xs, M, nb, 1, sums);
+#pragma omp parallel num_threads(num_threads) if (N * nb * M > 4096)
+    q4g_linear_bf16_body(x, xs, w, N, K, bias, y, ys, M, sums);
+    free(sums);
+    return 0;
+}
+
+/* ---- dequantizing (the large-batch path's dense copy) --------------------------------- */
+
+/* Q4G -> [N, K] fp32 (bf16 == 0) or bf16 (rounded to nearest even), row stride K. */
+void q4g_dequantize(const uint8_t *w, int64_t N, int64_t K, void *out, int bf16,
+                    int num_threads) {
+    const int64_t nb = K / QBLOCK, G = (N + Q4G_COLS - 1) / Q4G_COLS;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *gp = w + g * nb * Q4G_BYTES;
+        for (int i = 0; i < Q4G_COLS && g * Q4G_COLS + i < N; i++) {
+            const int64_t n = g * Q4G_COLS + i;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = gp + b * Q4G_BYTES;
+                const float d = half_to_float(blk + 2 * i), m = half_to_float(blk + 32 + 2 * i);
+                for (int k = 0; k < QBLOCK; k++) {
+                    const float v = d * (float)q_at(blk, i, k) + m;
+                    if (bf16)
+                        ((uint16_t *)out)[n * K + b * QBLOCK + k] = f32_to_bf16(v);
+                    else
+                        ((float *)out)[n * K + b * QBLOCK + k] = v;
+                }
+            }
+        }
+    }
+}

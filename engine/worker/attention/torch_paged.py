@@ -174,14 +174,19 @@ class TorchPagedBackend(AttentionBackend):
             result = torch.cat([result, result.new_zeros(q.shape[0] - num_tokens, H, D)])
         return result
 
-    def _attend_native(self, q, k, v, kv_cache, md: AttentionMetadata, layer, plan: _StepPlan):
-        """Decode rows in one kernel call reading the cache in place; prefill chunks by SDPA.
+    def native_items(self, md: AttentionMetadata):
+        """(rows, reqs, pos) for the native kernel when it attends every token of this step
+        (decode rows and chunks of at most ROW_CHUNK_MAX tokens, no padding), else None: what
+        a caller that runs the kernel itself (models/cpu_stack.py) may hand it."""
+        if not self.native:
+            return None
+        plan = self._get_plan(md)
+        if plan.token_req is not None and _split_plan(plan, md, ROW_CHUNK_MAX).prefills:
+            return None
+        return self._items(plan, md)
 
-        The kernel handles one query row at a time, which is right for decode (memory-bound)
-        but wastes SDPA's blocked matmuls on a chunk of many queries (compute-bound). A
-        chunk of at most `ROW_CHUNK_MAX` tokens (a request verifying speculative proposals)
-        is memory-bound too: its rows join the decode rows, each seeing keys up to its own
-        position, so a verify step of many requests is one kernel call, not one SDPA each."""
+    @staticmethod
+    def _items(plan: _StepPlan, md: AttentionMetadata):
         if plan.items is None:
             if plan.token_req is None:
                 rows = torch.arange(md.num_tokens, dtype=torch.long)
@@ -190,7 +195,17 @@ class TorchPagedBackend(AttentionBackend):
                 split = _split_plan(plan, md, ROW_CHUNK_MAX)
                 rows = split.decode_tokens
                 plan.items = (rows, split.decode_reqs, md.positions[rows].long().contiguous())
-        rows, reqs, pos = plan.items
+        return plan.items
+
+    def _attend_native(self, q, k, v, kv_cache, md: AttentionMetadata, layer, plan: _StepPlan):
+        """Decode rows in one kernel call reading the cache in place; prefill chunks by SDPA.
+
+        The kernel handles one query row at a time, which is right for decode (memory-bound)
+        but wastes SDPA's blocked matmuls on a chunk of many queries (compute-bound). A
+        chunk of at most `ROW_CHUNK_MAX` tokens (a request verifying speculative proposals)
+        is memory-bound too: its rows join the decode rows, each seeing keys up to its own
+        position, so a verify step of many requests is one kernel call, not one SDPA each."""
+        rows, reqs, pos = self._items(plan, md)
         out = q.new_empty(q.shape[0], layer.num_heads, layer.head_dim)
         if q.shape[0] != md.num_tokens:  # padded batch: pad rows stay zero
             out[md.num_tokens :] = 0

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     "paged_attention.c", "fused_ops.c", "cache_write.c", "quant_linear.c", "quant_linear_i8.c",
-    "quant_linear_q4g.c",
+    "quant_linear_q4g.c", "decoder_stack.c",
 )  # fmt: skip
 FLAGS = [
     "-O3",
@@ -60,13 +60,15 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "quant_linear_rounded": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "quant_linear_bf16": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "q4g_bf16_native": [],
+    "decoder_stack": [_ptr, _ptr, _i32],
+    "decoder_stack_workspace": [_ptr, _i64],
     "quant_dequantize": [_ptr, _i32, _i64, _i64, _ptr, _i32],
     "quant_dequantize_bf16": [_ptr, _i32, _i64, _i64, _ptr, _i32],
 }  # fmt: skip
 
 _RETURNS_INT = (
     "paged_attention", "quant_linear", "quant_linear_i8", "quant_linear_rounded",
-    "quant_linear_bf16", "q4g_bf16_native",
+    "quant_linear_bf16", "q4g_bf16_native", "decoder_stack",
 )  # fmt: skip
 
 _lock = threading.Lock()
@@ -129,6 +131,7 @@ def _load() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int if name in _RETURNS_INT else None
+    lib.decoder_stack_workspace.restype = ctypes.c_int64
     return lib
 
 

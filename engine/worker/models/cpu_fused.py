@@ -7,7 +7,9 @@ rotary embedding rotates q and k inside the fused qkv output in place, and SiLU-
 one pass. Linear layers and attention are the model's own modules (each rank's shards under
 tensor parallelism, with the same all-reduces as the plain forward). Used for fp32 and bf16 on
 the CPU with the kernel library loaded (`LlamaForCausalLM.enable_cpu_kernels`); in bf16 the
-residual stream and every activation stay bf16 between ops, as in transformers.
+residual stream and every activation stay bf16 between ops, as in transformers. Small
+steps on block-quantized layers run all layers in one C call instead (cpu_stack.py), with
+the same kernels and so the same values.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from engine.worker.attention.base import ForwardContext
 from engine.worker.kernels import fused
+from engine.worker.models import cpu_stack
 from engine.worker.models.rope import apply_rope
 
 
@@ -29,10 +32,24 @@ def forward(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, ctx: F
         raise ValueError(f"position {int(positions.max())} beyond the rotary table")
     positions = positions.long().contiguous()
     h = m.embed_tokens(input_ids)  # a new tensor: safe to use as the residual stream
+    stack = _stack_of(model)
+    done = stack.run(h, positions, ctx) if stack is not None else None
+    if done is not None:  # every layer in one C call (cpu_stack.py): the same values
+        out, residual = done
+        return fused.add_rms_norm(out, residual, m.norm.weight, m.norm.eps)
     residual = None
     for i, layer in enumerate(m.layers):
         h, residual = _layer(layer, h, residual, positions, rot, ctx.kv_caches[i], ctx)
     return fused.add_rms_norm(h, residual, m.norm.weight, m.norm.eps)
+
+
+def _stack_of(model: Any) -> cpu_stack.CpuStack | None:
+    """The model's one-call stack, built on the first forward (after LoRA has wrapped its
+    layers, so a wrapped model is seen as one), or None where it does not apply."""
+    if not getattr(model, "_cpu_stack_checked", False):
+        model._cpu_stack = cpu_stack.build(model)
+        model._cpu_stack_checked = True
+    return model._cpu_stack
 
 
 def _layer(layer, h, residual, positions, rot, kv_cache, ctx):

@@ -21,7 +21,6 @@
  * loaded after torch, so it shares torch's OpenMP runtime; the caller passes the thread count.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -204,6 +203,6 @@ int paged_attention(const void *q, int64_t q_row_stride, int q_bf16, const void 
 #pragma omp parallel num_threads(num_threads)
     paged_attention_body(q, q_row_stride, q_bf16, cache, is_bf16, block_tables, bt_stride,
                          q_rows, reqs, pos, num_items, H, Hkv, D, block_size, window, scale,
-                         out, out_row_stride, omp_get_num_threads());
+                         out, out_row_stride, num_threads);
     return 0;
 }

@@ -61,6 +61,7 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "quant_linear_bf16": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "q4g_bf16_native": [],
     "decoder_stack": [_ptr, _ptr, _i32],
+    "q4g_dequantize_t": [_ptr, _i64, _i64, _ptr, _i32, _i32],
     "decoder_stack_workspace": [_ptr, _i64],
     "quant_dequantize": [_ptr, _i32, _i64, _i64, _ptr, _i32],
     "quant_dequantize_bf16": [_ptr, _i32, _i64, _i64, _ptr, _i32],

@@ -101,6 +101,16 @@ def dequantize_into(data: torch.Tensor, kind: int, cols: int, out: torch.Tensor)
     return out
 
 
+def dequantize_t_into(data: torch.Tensor, cols: int, out: torch.Tensor) -> torch.Tensor:
+    """q4 column groups -> `out` = W^T [K, N] (contiguous, fp32 or bf16), returned: the
+    layout writes the transposed copy 16 columns at a time (W^T.t() is the [N, K] weight)."""
+    library().q4g_dequantize_t(
+        data.data_ptr(), out.shape[1], cols, out.data_ptr(), int(out.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
 class BoundLinear:
     """`linear` for one fixed weight: the library function, the weight's and bias's
     pointers and sizes bound once, so a decode step's call is one allocation and one

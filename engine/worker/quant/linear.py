@@ -252,6 +252,9 @@ class QuantLinear(nn.Module):
     def _dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if not qkernels.available():
             return dequantize(self.blocks(), dtype)
+        if self.kind == Q4G:  # written transposed (16 columns at a time); a [N, K] view
+            out_t = self.scratch.take(self.in_features, self.out_features, dtype)
+            return qkernels.dequantize_t_into(self.qdata, self.in_features, out_t).t()
         out = self.scratch.take(self.out_features, self.in_features, dtype)
         return qkernels.dequantize_into(self.qdata, self.kind, self.in_features, out)
 

@@ -134,6 +134,11 @@ def test_column_group_kernels_on_every_shape_edge():
         torch.testing.assert_close(yb.double(), exact_b, atol=1e-5, rtol=2**-8)
         out = qkernels.dequantize_into(g, Q4G, k, torch.empty(n, k))
         torch.testing.assert_close(out, dequantize(t), atol=0, rtol=1e-6)
+        out_t = qkernels.dequantize_t_into(g, k, torch.empty(k, n))
+        torch.testing.assert_close(out_t.t(), dequantize(t), atol=0, rtol=1e-6)
+        out_tb = qkernels.dequantize_t_into(g, k, torch.empty(k, n, dtype=torch.bfloat16))
+        torch.testing.assert_close(out_tb.t().float(), dequantize(t, torch.bfloat16).float(),
+                                   atol=0, rtol=2**-8)  # fmt: skip
 
 
 @needs_kernels
@@ -264,6 +269,8 @@ for n, k, rows in ((40, 96, 1), (17, 64, 6), (48, 1536, 5)):
     yb = qk.linear_bf16(x.bfloat16(), to_column_groups(t), Q4G, k, bias, rows=n)
     exact_b = x.bfloat16().double() @ dequantize(t).double().t() + bias.double()
     torch.testing.assert_close(yb.double(), exact_b, atol=1e-5, rtol=2**-8)
+    wt = qk.dequantize_t_into(to_column_groups(t), k, torch.empty(k, n))
+    torch.testing.assert_close(wt.t(), dequantize(t), atol=0, rtol=1e-6)
 print("native bf16", qk.bf16_native())
 """
 

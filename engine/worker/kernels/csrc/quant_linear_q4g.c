@@ -369,6 +369,57 @@ int quant_linear_bf16(const uint16_t *x, int64_t xs, const uint8_t *w, int kind,
 
 /* ---- dequantizing (the large-batch path's dense copy) --------------------------------- */
 
+/* Q4G -> W^T [K, N] (row stride N), fp32 (bf16 == 0) or bf16 (rounded to nearest even):
+ * in this layout a chunk is 16 columns at one feature, so the transposed copy is written
+ * 16 values at a time; the large-batch path multiplies x @ W^T with the dense GEMM. */
+void q4g_dequantize_t(const uint8_t *w, int64_t N, int64_t K, void *out, int bf16,
+                      int num_threads) {
+    const int64_t nb = K / QBLOCK, G = (N + Q4G_COLS - 1) / Q4G_COLS;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *gp = w + g * nb * Q4G_BYTES;
+        const int64_t n0 = g * Q4G_COLS;
+        const int valid = N - n0 < Q4G_COLS ? (int)(N - n0) : Q4G_COLS;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = gp + b * Q4G_BYTES;
+#if defined(G_AVX512)
+            const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+            for (int c = 0; c < 8; c++) {
+                const __m512i D = chunk_bytes(blk + Q4G_HEAD + 32 * c);
+                for (int j = 0; j < 4; j++) {
+                    const __m512i qi = _mm512_and_si512(_mm512_srli_epi32(D, 8 * j),
+                                                        _mm512_set1_epi32(0xff));
+                    const __m512 v = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(qi), mv);
+                    const int64_t row = (b * QBLOCK + 4 * c + j) * N + n0;
+                    if (bf16) {
+                        float tmp[Q4G_COLS];
+                        _mm512_storeu_ps(tmp, v);
+                        for (int i = 0; i < valid; i++)
+                            ((uint16_t *)out)[row + i] = f32_to_bf16(tmp[i]);
+                    } else {
+                        _mm512_mask_storeu_ps((float *)out + row, mask, v);
+                    }
+                }
+            }
+#else
+            for (int k = 0; k < QBLOCK; k++) {
+                const int64_t row = (b * QBLOCK + k) * N + n0;
+                for (int i = 0; i < valid; i++) {
+                    const float v = half_to_float(blk + 2 * i) * (float)q_at(blk, i, k) +
+                                    half_to_float(blk + 32 + 2 * i);
+                    if (bf16)
+                        ((uint16_t *)out)[row + i] = f32_to_bf16(v);
+                    else
+                        ((float *)out)[row + i] = v;
+                }
+            }
+#endif
+        }
+    }
+}
+
 /* Q4G -> [N, K] fp32 (bf16 == 0) or bf16 (rounded to nearest even), row stride K. */
 void q4g_dequantize(const uint8_t *w, int64_t N, int64_t K, void *out, int bf16,
                     int num_threads) {

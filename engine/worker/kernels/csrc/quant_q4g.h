@@ -23,4 +23,6 @@ void q4g_linear_bf16_body(const uint16_t *x, int64_t xs, const uint8_t *w, int64
                           const float *sums);
 void q4g_dequantize(const uint8_t *w, int64_t N, int64_t K, void *out, int bf16,
                     int num_threads);
+void q4g_dequantize_t(const uint8_t *w, int64_t N, int64_t K, void *out, int bf16,
+                      int num_threads);
 #endif

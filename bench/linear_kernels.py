@@ -12,6 +12,13 @@ MLP shape with `--big`), at M = 1..8 and 64 rows, fp32 and bf16 activations:
     int8 x int8                   torch._int_mm on activations quantized per row (+ the cost
                                   of that quantization), the 8-bit-activation route
 
+and ours (engine/worker/quant, csrc/quant_linear*.c), which the row rule picks between:
+
+    ours q4 kernel                q4 column groups (fp32 rows, or bf16 rows in one call)
+    ours q4 dense copy + GEMM     the large-batch path: dequantized (transposed) into a
+                                  scratch buffer in the activations' dtype, then F.linear
+    ours q8 kernel                q8 blocks (the tied LM head)
+
 torchao 0.18's CPU weight-only configs call the same two torch ops (its Int4CPULayout and
 int8 weight-only), so they are not timed separately. Also records the memory read bandwidth
 (`torch.sum` over 256 MB), the roofline every per-step figure is compared to.
@@ -44,7 +51,7 @@ SHAPES = [
     ("lm_head", 576, 49152),
 ]
 BIG = [("llama8b_up", 4096, 14336)]
-ROWS = [1, 2, 3, 4, 6, 8, 64]
+ROWS = [1, 2, 3, 4, 6, 8, 16, 24, 32, 48, 64]
 
 
 def bench_us(fn, repeats: int, min_s: float = 0.02) -> float:
@@ -120,7 +127,30 @@ def kernels_for(k: int, n: int, act: torch.dtype):
         return (acc.float() * xs * scale8).to(act)
 
     out["int8 x int8 (_int_mm)"] = int8_int8
+    out.update(ours_for(w32, act))
     return out
+
+
+def ours_for(w32: torch.Tensor, act: torch.dtype):
+    """Our block kernels and the dense path of engine/worker/quant/linear.py on `w32`."""
+    from engine.worker.kernels import quant as qk
+    from engine.worker.quant.blocks import Q4G, Q8, quantize_q4, quantize_q8, to_column_groups
+
+    if not qk.available():
+        return {}
+    n, k = w32.shape
+    groups = to_column_groups(quantize_q4(w32))
+    q4 = qk.BoundLinear(groups, Q4G, k, None, rows=n)
+    q8 = qk.BoundLinear(quantize_q8(w32).data, Q8, k, None)
+    scratch = torch.empty(k, n, dtype=act)
+    bf16 = act == torch.bfloat16
+    return {
+        "ours q4 kernel": q4.bf16 if bf16 else q4,
+        "ours q4 dense copy + GEMM": lambda x: F.linear(
+            x, qk.dequantize_t_into(groups, k, scratch).t()
+        ),
+        "ours q8 kernel": q8.bf16 if bf16 else q8,
+    }
 
 
 def main() -> None:

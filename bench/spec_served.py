@@ -184,7 +184,9 @@ def mixed_plan(rate: float, duration: float, copy_ids: list[int], seed: int):
         i += 1
 
 
-def run_workload(url: str, rate: float | None, args, copy_ids: list[int], tok) -> tuple[dict, list[str]]:
+def run_workload(
+    url: str, rate: float | None, args, copy_ids: list[int], tok
+) -> tuple[dict, list[str]]:
     """One workload on one server: its figures, and every request's text (in plan order)."""
     with LoadMeter() as load:
         if rate is None:

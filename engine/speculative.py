@@ -3,8 +3,9 @@
 `build_speculator` makes the scheduler's `Speculator` (None when the method is none);
 `load_draft_model` loads the draft of the `draft` method and refuses, with a ConfigError
 naming `speculative.draft_model`, a draft the verification could not use: another
-vocabulary or tokenizer (its ids would mean other text), or one at least as large as the
-target (it could never pay).
+vocabulary or tokenizer (its ids would mean other text), or one whose weights are at
+least as many bytes as the target's (a decode step reads every weight, so it could never
+pay; the same checkpoint kept in 4-bit blocks drafts for its float32 release).
 """
 
 from __future__ import annotations
@@ -58,14 +59,20 @@ def check_draft(target, draft, tokenizer: Tokenizer, draft_tokenizer: Tokenizer)
             f"the draft's EOS ids {sorted(draft_tokenizer.eos_token_ids)} differ from the "
             f"target's {sorted(tokenizer.eos_token_ids)}",
         )
-    n_draft, n_target = _num_params(draft), _num_params(target)
+    n_draft, n_target = weight_bytes(draft), weight_bytes(target)
     if n_draft >= n_target:
         raise ConfigError(
             _KEY,
-            f"the draft has {n_draft:,} parameters, the target {n_target:,}: a draft must "
-            "be smaller than the target to pay",
+            f"the draft's weights are {n_draft:,} bytes, the target's {n_target:,}: a draft "
+            "must read fewer bytes per token than the target to pay",
         )
 
 
-def _num_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+def weight_bytes(model) -> int:
+    """The bytes of a model's weights: float parameters, and what quantized layers keep
+    (their blocks are buffers, not parameters)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if callable(getattr(module, "weight_bytes", None)):
+            total += module.weight_bytes()
+    return total

@@ -14,9 +14,12 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from engine import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
-from engine.config import ConfigError
+from engine.config import ConfigError, ModelConfig
+from engine.speculative import weight_bytes
+from engine.worker.models.loader import load_model
 from tests.engine.test_speculative_equality import (
     _assert_speculated,
     _checkpoint,
@@ -112,8 +115,20 @@ def test_tensor_parallel_ranks_verify_the_same_proposals(tiny_checkpoint):
 
 def test_a_draft_as_large_as_the_target_is_refused(tiny_checkpoint):
     model_dir = _checkpoint(tiny_checkpoint, "llama")
-    with pytest.raises(ConfigError, match="speculative.draft_model: the draft has .* parameters"):
+    with pytest.raises(ConfigError, match="speculative.draft_model: the draft's weights are"):
         _llm(model_dir, {"model": str(model_dir)})
+
+
+def test_draft_size_counts_quantized_blocks_as_bytes(tiny_checkpoint):
+    """The same checkpoint quantized to 4-bit blocks reads fewer bytes than its float self
+    (a valid draft), and a quantized layer's blocks count (they are buffers)."""
+    model_dir = _checkpoint(tiny_checkpoint, "llama")
+    cpu = torch.device("cpu")
+    dense = load_model(ModelConfig(path=str(model_dir), dtype="float32"), cpu).model
+    q4 = load_model(ModelConfig(path=str(model_dir), dtype="float32", quantization="int4"), cpu)
+    assert 0 < 2 * weight_bytes(q4.model) < weight_bytes(dense)  # tiny: q8 embeddings weigh
+    blocks = sum(m.qdata.numel() for m in q4.model.modules() if hasattr(m, "qdata"))
+    assert weight_bytes(q4.model) > blocks > 0
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoint):

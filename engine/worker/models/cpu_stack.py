@@ -14,7 +14,7 @@ back otherwise (`run` returns None):
   one tensor-parallel rank, no q/k norm, every q/k/v, o, gate/up and down projection a
   plain `QuantLinear` of q4 column groups, q4 or q8 blocks with the kernel library and
   float activations (not int8), activations fp32 or bf16;
-- the step: fewer than `DENSE_ROWS` rows (the block kernels' side of the row rule), the
+- the step: fewer rows than `dense_rows` (the block kernels' side of the row rule), the
   torch paged backend attending every row with its native kernel (decode rows, short
   verify chunks; no prefill chunk, no padding), a KV cache in the activations' dtype the
   kernel supports.
@@ -34,7 +34,7 @@ import torch
 from engine.worker.kernels import attention as native
 from engine.worker.kernels import stack as kstack
 from engine.worker.quant.blocks import Q4, Q4G, Q8
-from engine.worker.quant.linear import DENSE_ROWS, QuantLinear
+from engine.worker.quant.linear import QuantLinear, dense_rows
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class CpuStack:
         T = h.shape[0]
         md = ctx.attn_metadata
         items_of = getattr(ctx.backend, "native_items", None)
-        if not 0 < T < DENSE_ROWS or items_of is None or md.num_tokens != T:
+        if not 0 < T < dense_rows(self.dtype) or items_of is None or md.num_tokens != T:
             return None
         if h.dtype != self.dtype or not h.is_contiguous() or not self._bind_caches(ctx.kv_caches):
             return None

@@ -20,7 +20,7 @@ by row, and after the load (`finalize`) holds one of:
 The kernel choice by row count lives here and only here (`QuantLinear.forward`), on the
 CPU with the kernel library loaded:
 
-    rows <  DENSE_ROWS   csrc/quant_linear_q4g.c for q4 column groups, csrc/quant_linear.c
+    rows <  dense_rows   csrc/quant_linear_q4g.c for q4 column groups, csrc/quant_linear.c
                          for q8 (`model.quant_activations` float, the default): fp32 rows
                          times the weights widened in registers, exactly the dequantized
                          weights' products; bf16 rows in and out of one C call (q4 groups
@@ -28,17 +28,21 @@ CPU with the kernel library loaded:
                          product; else widened inside); or csrc/quant_linear_i8.c (int8):
                          the rows rounded to int8 per 32 values, then below INT8_DOT_ROWS
                          one byte-wise multiply-add per block, from there the rounded rows
-                         through the fp32 kernel. Both read each block once per 4 rows
-    rows >= DENSE_ROWS   dequantize into a scratch buffer shared by the model's layers,
+                         through the fp32 kernel. All read each block once per 4 rows.
+                         `dense_rows`: 32 with bf16 (or int8) activations, 64 with fp32
+                         ones (bench/linear_kernels.py, docs/quantization.md)
+    rows >= dense_rows   dequantize into a scratch buffer shared by the model's layers,
                          then the dense GEMM (its cache blocking wins once a weight pass is
                          amortized over many rows; the buffer holds one layer): fp32, or
                          with bf16 activations a bf16 copy and the bf16 GEMM (half the
                          bytes written and read, twice the FLOPs on AVX512-BF16 / AMX)
 
-The same rule on every x86 ISA: the kernels are AVX2 + FMA + F16C code (the int8 one
-uses VNNI's `dpbusd` where the compiler targets AVX512-VNNI or AVX-VNNI, `maddubs` +
-`madd` otherwise), used as is on AVX-512 and AMX machines (bf16 activations are widened to
-fp32 for them and the result rounded back). With int8 activations the dense path rounds
+The same rule on every x86 ISA, with the code the compiler targets: the q4 column-group
+kernel has AVX-512 (with AVX512-BF16: the bf16 dot product), AVX2 + FMA + F16C and plain C
+paths (bf16 rows are widened to fp32 inside the C call where there is no bf16 dot product);
+the q8 and int8 kernels are AVX2 + FMA + F16C code with AVX-512 row paths (the int8 one uses
+VNNI's `dpbusd` where the compiler targets AVX512-VNNI or AVX-VNNI, `maddubs` + `madd`
+otherwise). With int8 activations the dense path rounds
 the rows the same way before its GEMM (`round_activations_int8`), so both sides of the
 rule compute the same product and a request's tokens do not depend on its batch.
 Without the kernel library (no compiler, `runtime.cpu_kernels: false`) every
@@ -71,9 +75,20 @@ from engine.worker.quant.blocks import (
 
 logger = logging.getLogger(__name__)
 
-# Rows from which dequantize + dense GEMM beats the block kernel (see the module docstring;
-# bench/linear_kernels.py measures both on the model's shapes).
+# Rows from which dequantize + dense GEMM beats the block kernels, by activation dtype (see
+# the module docstring; bench/linear_kernels.py measures both on the model's shapes): with
+# bf16 rows the bf16 GEMM (AVX512-BF16 / AMX) overtakes the kernel at ~24-32 rows; the fp32
+# kernel keeps up with the fp32 GEMM to ~64 rows and spares the dequantized copy. Int8
+# activations keep 32 (their rounded rows go through the fp32 kernel below it).
 DENSE_ROWS = 32
+DENSE_ROWS_FP32 = 64
+
+
+def dense_rows(dtype: torch.dtype, int8_activations: bool = False) -> int:
+    """The row count from which a quantized linear takes the dense path (the one rule)."""
+    return DENSE_ROWS_FP32 if dtype == torch.float32 and not int8_activations else DENSE_ROWS
+
+
 # With int8 activations, rows below this take the integer dot products; from here on the
 # rounded rows go through the fp32 block kernel (the same product: the per-row scale work
 # of the integer path costs more than fp32 FMAs shared by a tile of 4 rows).
@@ -209,14 +224,15 @@ class QuantLinear(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------
     def _small_rows_kernel(self, rows: int) -> str | None:
-        """Below DENSE_ROWS: None (fp32 products), or with int8 activations "dot" (integer
+        """Below `dense_rows`: None (fp32 products), or with int8 activations "dot" (integer
         dot products) / "rounded" (the rounded rows, fp32 products)."""
         if not self.int8_activations:
             return None
         return "dot" if rows < INT8_DOT_ROWS else "rounded"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if self._bound and x.dim() == 2 and 0 < x.shape[0] < DENSE_ROWS:
+        dense_from = dense_rows(x.dtype, self.int8_activations)
+        if self._bound and x.dim() == 2 and 0 < x.shape[0] < dense_from:
             fast = self._bound[self._small_rows_kernel(x.shape[0])]
             # The decode step: no reshape; bf16 rows in and out of one C call.
             if x.dtype == torch.float32 and x.stride(-1) == 1:
@@ -229,7 +245,7 @@ class QuantLinear(nn.Module):
             return F.linear(x, self.dense, None if self.bias is None else self.bias.to(x.dtype))
         lead = x.shape[:-1]
         rows = x.numel() // self.in_features
-        if x.dtype == torch.bfloat16 and rows >= DENSE_ROWS and not self.int8_activations:
+        if x.dtype == torch.bfloat16 and rows >= dense_from and not self.int8_activations:
             # bf16 activations, many rows: the bf16 GEMM on a bf16 dequantized copy.
             bias = None if self.bias is None else self.bias.to(torch.bfloat16)
             w = self._dense_weight(torch.bfloat16)
@@ -238,7 +254,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).float()
         if rows == 0:
             y = x2.new_empty(0, self.out_features)
-        elif rows < DENSE_ROWS and qkernels.available():
+        elif rows < dense_from and qkernels.available():
             kernel = self._small_rows_kernel(rows)
             y = qkernels.linear(
                 x2, self.qdata, self.kind, self.in_features, self.bias, kernel, self.out_features

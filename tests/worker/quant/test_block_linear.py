@@ -191,7 +191,11 @@ def test_q4_layers_keep_column_groups_only_where_a_kernel_reads_them():
     assert _layer(_w(n=40, k=96), Q8).kind == Q8
 
 
-@pytest.mark.parametrize("rows", [1, qlinear.DENSE_ROWS - 1, qlinear.DENSE_ROWS, 70])
+@pytest.mark.parametrize(
+    "rows",
+    [1, qlinear.DENSE_ROWS - 1, qlinear.DENSE_ROWS, qlinear.DENSE_ROWS_FP32 - 1,
+     qlinear.DENSE_ROWS_FP32, 70],
+)  # fmt: skip
 def test_quant_linear_gives_one_answer_on_both_sides_of_the_row_rule(rows):
     w, bias = _w(n=64, k=96), torch.randn(64)
     layer = _layer(w, Q4, bias)
@@ -240,6 +244,12 @@ def test_the_bf16_copy_is_the_blocks_rounded_to_bf16(kind):
     ref = dequantize(t, torch.bfloat16)
     # the same fp32 value rounded to nearest even (an FMA in d q + m may move one ulp)
     torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2**-8)
+
+
+def test_the_row_rule_depends_on_the_activations():
+    assert qlinear.dense_rows(torch.bfloat16) == qlinear.DENSE_ROWS == 32
+    assert qlinear.dense_rows(torch.float32) == qlinear.DENSE_ROWS_FP32 == 64
+    assert qlinear.dense_rows(torch.float32, int8_activations=True) == 32
 
 
 @needs_kernels

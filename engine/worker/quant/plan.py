@@ -8,10 +8,10 @@
            `model.quantization_group` weights (q4); the embedding / LM head in q8
     fp8    CUDA only (sm 89+): e4m3 weights with per-channel scales (fp8.py)
 
-A pre-quantized HF checkpoint (a `quantization_config`: compressed-tensors) loads its own
-format under `auto` (`source` set: its q4 / q8 blocks, or on a GPU with fp8 its e4m3
-rows) and dequantized under `none`; int8 / int4 / fp8 would quantize it a second time
-and are refused.
+A pre-quantized HF checkpoint (a `quantization_config`: compressed_tensors.py, awq_gptq.py)
+loads its own format under `auto` (`source` set: its q4 / q8 blocks, or on a GPU with fp8
+its e4m3 rows) and dequantized under `none`; int8 / int4 / fp8 would quantize it a second
+time and are refused.
 
 Every refusal is a `ConfigError` naming the key, raised at start, never in a request.
 """
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from engine.config import ConfigError
-from engine.worker.quant import compressed_tensors
+from engine.worker.quant import awq_gptq, compressed_tensors
 from engine.worker.quant.blocks import BLOCK, Q4, Q8
 from engine.worker.quant.fp8 import check_fp8_device, fp8_capable
 from engine.worker.quant.prequantized import Prequantized
@@ -39,7 +39,7 @@ class QuantPlan:
     embedding + LM head are quantized to (None: kept as loaded); `blocks` says whether
     the layers take block tensors at all (False: the plain float model)."""
 
-    method: str  # "none" | "gguf" | "int8" | "int4" | "fp8" | "compressed-tensors"
+    method: str  # none gguf int8 int4 fp8, or a checkpoint's: compressed-tensors awq gptq
     blocks: bool
     layers: int | None = None
     head: int | None = None
@@ -141,14 +141,17 @@ def read_prequantized(hf_config: Any) -> Prequantized | None:
     method = qc.get("quant_method", "unknown")
     if method == "compressed-tensors":
         return compressed_tensors.read_config(qc)
+    if method in ("awq", "gptq"):
+        return awq_gptq.read_config(qc)
     detail = ", ".join(f"{k} {qc[k]}" for k in ("bits", "group_size", "desc_act") if k in qc)
     raise ConfigError(
         "model.path",
         f"the checkpoint is pre-quantized (quantization_config: quant_method {method}"
         + (f", {detail}" if detail else "")
         + "), a method not loaded here (docs/quantization.md); loaded are compressed-tensors "
-        "checkpoints (int4, int8, fp8: what llm-compressor writes). Else use the model's "
-        "float or GGUF release, or a float checkpoint with model.quantization int8 / int4",
+        "(int4, int8, fp8: what llm-compressor writes), AutoAWQ gemm and AutoGPTQ int4 "
+        "checkpoints. Else use the model's float or GGUF release, or a float checkpoint "
+        "with model.quantization int8 / int4",
     )
 
 

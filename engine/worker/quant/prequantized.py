@@ -44,9 +44,15 @@ class Prequantized:
 def group_quantized(
     weights: Iterator[tuple[str, torch.Tensor]], names: set[str], source: Prequantized
 ) -> Iterator[tuple[str, torch.Tensor | Converted]]:
-    """See the module docstring. A module whose tensors never all arrive is a ConfigError
-    naming it and what is missing."""
+    """See the module docstring. A checkpoint without any quantized module, or a module
+    whose tensors never all arrive, is a ConfigError naming what is missing."""
     modules = source.quantized_modules(names)
+    if not modules:
+        raise ConfigError(
+            "model.path",
+            f"the config says {source.summary}, but no tensor in the checkpoint is quantized "
+            "(no weight_scale / qweight): refused rather than read as float weights",
+        )
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")

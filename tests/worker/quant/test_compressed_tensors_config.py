@@ -91,12 +91,16 @@ def test_quantizing_a_quantized_checkpoint_again_is_refused(method, compressed):
 @pytest.mark.parametrize(
     ("qc", "named"),
     [
-        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quant_method bitsandbytes\)"),
         ({"quant_method": "compressed-tensors", "format": "int-quantized"},
          r"quantization_config\.config_groups is empty"),
+        ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int"}}}},
+         r"no tensor in the checkpoint is quantized"),
     ],
 )  # fmt: skip
-def test_other_methods_and_empty_configs_are_refused(tiny_llama_dir, tmp_path, qc, named):
+def test_empty_configs_and_configs_over_float_tensors_are_refused(
+    tiny_llama_dir, tmp_path, qc, named
+):
     import json
     import shutil
 

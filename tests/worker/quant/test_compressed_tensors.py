@@ -175,3 +175,22 @@ def test_greedy_generation_through_llm_matches_transformers_token_for_token(comp
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     expected = model_greedy(decompressed_reference(ckpt), prompts, 12, eos=set())
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+def test_two_tensor_parallel_ranks_slice_the_converted_blocks(compressed):
+    """Each rank reads the packed tensors whole, converts them, then takes its rows or its
+    32-column blocks (o_proj / down_proj: 64 / 128 columns a rank, inside a 128 group)."""
+    ckpt = compressed("w4a16_asym")
+    prompts = [[5, 77, 300, 12], [9, 401, 250, 3, 3, 64, 128]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = dict(dtype="float32", device="cpu", quant_activations="float", num_kv_blocks=64)
+
+    def ids(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    tp2 = LLM(str(ckpt), tensor_parallel_size=2, **engine)
+    try:
+        assert ids(tp2) == ids(LLM(str(ckpt), **engine))
+    finally:
+        tp2.close()

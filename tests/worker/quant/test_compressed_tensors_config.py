@@ -145,3 +145,30 @@ def test_an_fp8_checkpoint_keeps_its_e4m3_rows_where_fp8_runs(compressed, monkey
         ref = decompressed_reference(ckpt)(torch.tensor([SEQ])).logits[0]
     diff = max_diff(logprobs(loaded, chunk=3), torch.log_softmax(ref.double(), -1))
     assert diff <= 5e-5  # the CPU path: as the dequantized model (test_compressed_tensors)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_fp8_checkpoint_on_a_gpu_keeps_its_rows_where_fp8_runs_and_generates(compressed):
+    """Structure only (no GPU tolerance is measured yet): with fp8 tensor cores the layers
+    hold the checkpoint's e4m3 bytes; without, its rows dequantized on the GPU."""
+    from safetensors import safe_open
+
+    from engine import LLM, SamplingParams
+    from engine.worker.quant.fp8 import fp8_capable
+
+    ckpt, cuda = compressed("fp8_dynamic"), torch.device("cuda")
+    loaded = load_model(ModelConfig(path=str(ckpt), dtype="bfloat16"), cuda)
+    down = loaded.model.model.layers[0].mlp.down_proj
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        stored = f.get_tensor("model.layers.0.mlp.down_proj.weight")
+    if fp8_capable(cuda):
+        assert isinstance(down, Fp8Linear)
+        assert torch.equal(down.fp8_weight.cpu().view(torch.uint8), stored.view(torch.uint8))
+    else:
+        assert not hasattr(down, "fp8_weight") and down.dense.is_cuda
+    llm = LLM(str(ckpt), dtype="bfloat16", device="cuda")
+    out = llm.generate([{"prompt_token_ids": [5, 77, 300]}],
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)  # fmt: skip
+    assert len(out[0].outputs[0].token_ids) == 4

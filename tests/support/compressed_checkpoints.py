@@ -85,12 +85,14 @@ def make_compressed_checkpoint(
     *,
     fp16_scales: bool = True,
     ignore: tuple[str, ...] = ("lm_head",),
+    max_shard_size: str | None = None,
 ) -> Path:
     """`src` (a tiny float checkpoint) compressed with `SCHEMES[scheme]` into `out`.
 
     `fp16_scales`: the scales are fp16 values (compressed-tensors' `scale_dtype`, what a
     fp16 / bf16 model's scales are), stored in the checkpoint's float32; False keeps fp32
-    scales (our blocks then round them to fp16)."""
+    scales (our blocks then round them to fp16). `max_shard_size` (e.g. "5KB"): several
+    safetensors shards, a module's tensors split across them."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -119,7 +121,9 @@ def make_compressed_checkpoint(
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     shutil.rmtree(out, ignore_errors=True)
-    model.save_pretrained(str(out))
+    model.save_pretrained(
+        str(out), **({"max_shard_size": max_shard_size} if max_shard_size else {})
+    )
     compressor.update_config(str(out))
     for f in src.iterdir():  # tokenizer and generation config
         if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():

@@ -15,6 +15,8 @@ Tolerances are pinned at >= 2x the differences measured here (docs/quantization.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -156,6 +158,20 @@ def test_biases_and_a_tied_embedding_load_beside_packed_weights(arch, compressed
     diff = max_diff(logprobs(_load(ckpt), chunk=3), _reference_logprobs(ckpt))
     print(f"{arch} w4a16: max |dlogprob| {diff:.2e}")
     assert diff <= LOGPROB_TOL["w4a16"]
+
+
+def test_a_module_split_across_shards_loads_as_one(compressed, tiny_checkpoint, tmp_path):
+    """Shards of 5 KB put a module's weight_packed, weight_scale and weight_shape in
+    different files: it is converted once all of them have been read, the same blocks."""
+    whole = compressed("w4a16")
+    sharded = make_compressed_checkpoint(
+        tiny_checkpoint("llama", **WIDE), tmp_path / "sharded", "w4a16", max_shard_size="5KB"
+    )
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    leaves = {index[f"model.layers.0.mlp.down_proj.{leaf}"] for leaf in
+              ("weight_packed", "weight_scale", "weight_shape")}  # fmt: skip
+    assert len(leaves) > 1
+    assert torch.equal(logprobs(_load(sharded)), logprobs(_load(whole)))
 
 
 def test_quantization_none_dequantizes_to_the_same_float_weights(compressed):

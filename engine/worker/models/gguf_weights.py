@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.config import ConfigError
-from engine.worker.models.sharding import CheckpointSlice
+from engine.worker.models.sharding import CheckpointSlice, slice_loaded
 from engine.worker.quant.blocks import BlockTensor
 from engine.worker.quant.gguf_tensors import UnsupportedGGUFTensor, read_gguf_tensors
 from engine.worker.quant.plan import QuantPlan
@@ -45,27 +45,9 @@ def iter_gguf_weights(
         for name, tensor, _ in read_gguf_tensors(path, index, hf_config, keep):
             part = select(name) if select is not None else None
             if part is not None:
-                tensor = _slice(tensor, part, name)
+                tensor = slice_loaded(tensor, part, name)
             if isinstance(tensor, torch.Tensor):
                 tensor = tensor.to(device)
             yield name, tensor
     except UnsupportedGGUFTensor as e:
         raise ConfigError("model.path", f"{path.name}: {e}") from None
-
-
-def _slice(t: torch.Tensor | BlockTensor, part: CheckpointSlice, name: str):
-    if part.zeros:
-        return torch.zeros(t.shape)
-    if isinstance(t, BlockTensor):
-        try:
-            return t.narrow(part.dim, part.start, part.stop, part.length)
-        except ValueError as e:
-            raise ConfigError("parallel.tensor_parallel_size", f"{name}: {e}") from None
-    stop = min(part.stop, t.shape[part.dim])
-    out = t.narrow(part.dim, min(part.start, stop), stop - min(part.start, stop))
-    missing = part.length - out.shape[part.dim]
-    if missing:
-        pad = list(out.shape)
-        pad[part.dim] = missing
-        out = torch.cat([out, out.new_zeros(pad)], dim=part.dim)
-    return out.contiguous()

@@ -30,6 +30,7 @@ from engine.worker.models.default_model import default_model_gguf
 from engine.worker.models.gguf_loader import convert_gguf, gguf_index
 from engine.worker.models.gguf_weights import gguf_has_quantized, iter_gguf_weights
 from engine.worker.models.parallel import TensorParallel
+from engine.worker.models.prequant_weights import checkpoint_names, iter_prequantized_weights
 from engine.worker.models.registry import resolve_architecture
 from engine.worker.models.rope import RotaryEmbedding
 from engine.worker.models.sharding import CheckpointSlice
@@ -318,6 +319,10 @@ def load_model(
     model = build_model(hf_config, dtype, device, tp, plan, lm_head=task == "generate")
     if gguf is not None:
         weights = iter_gguf_weights(gguf, index, hf_config, device, model.checkpoint_slice, plan)
+    elif plan.source is not None:  # pre-quantized: read whole on the CPU, converted, sliced
+        raw = iter_weights(model_dir, torch.device("cpu"), None, progress)
+        names = checkpoint_names(safetensors_files(model_dir))
+        weights = iter_prequantized_weights(raw, names, device, model.checkpoint_slice, plan)
     else:
         weights = iter_weights(model_dir, device, model.checkpoint_slice, progress)
     model.load_weights(weights if task == "generate" else decoder_names(weights))

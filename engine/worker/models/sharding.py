@@ -11,6 +11,10 @@ rank's weights, not even while loading. The slices follow `engine.worker.models.
                                all-reduce adds it once
     embed_tokens / lm_head     this rank's vocabulary rows, zero-padded past the vocabulary
     anything else              whole (norms, q/k norms: replicated)
+
+A GGUF's or a pre-quantized checkpoint's tensors are read whole and converted first (their
+packed layouts do not slice where the float ones do); `slice_loaded` then cuts the
+converted weight (q4 / q8 blocks at 32-column block boundaries, fp8 rows anywhere).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from engine.config import ConfigError
 from engine.worker.models.parallel import HeadShard, TensorParallel, even_split, vocab_rows
 
 
@@ -66,3 +73,24 @@ class LlamaShardPlan:
             start, n = self._vocab
             return CheckpointSlice(0, start, start + n, n)
         return None
+
+
+def slice_loaded(t: Any, part: CheckpointSlice, name: str) -> Any:
+    """`part` of a tensor already read whole: a float tensor, or a converted weight with
+    its own `narrow(dim, start, stop, length)` (BlockTensor, Fp8Rows). A slice that cuts
+    through a block is a ConfigError on parallel.tensor_parallel_size."""
+    if part.zeros:
+        return torch.zeros(t.shape)
+    if not isinstance(t, torch.Tensor):
+        try:
+            return t.narrow(part.dim, part.start, part.stop, part.length)
+        except ValueError as e:
+            raise ConfigError("parallel.tensor_parallel_size", f"{name}: {e}") from None
+    stop = min(part.stop, t.shape[part.dim])
+    out = t.narrow(part.dim, min(part.start, stop), stop - min(part.start, stop))
+    missing = part.length - out.shape[part.dim]
+    if missing:
+        pad = list(out.shape)
+        pad[part.dim] = missing
+        out = torch.cat([out, out.new_zeros(pad)], dim=part.dim)
+    return out.contiguous()

@@ -2,11 +2,15 @@
 
     check_fp8_device(device, key)   ConfigError naming `key` unless a CUDA GPU with fp8
                                     tensor cores (compute capability >= 8.9: Ada, Hopper)
+    fp8_capable(device)             the same question, answered with a bool
     check_kv_dtype(kv_dtype, dev)   the same for `cache.kv_dtype: fp8_e4m3`
     quantize_fp8_rows(w)            (e4m3 [N, K], fp32 scale [N]): scale = max|row| / 448
     Fp8Linear                       a QuantLinear whose finalize keeps e4m3 rows and whose
                                     forward quantizes x per row (dynamic) and multiplies with
-                                    `torch._scaled_mm` (row-wise scales), output in x's dtype
+                                    `torch._scaled_mm` (row-wise scales), output in x's dtype;
+                                    a pre-quantized checkpoint's rows (`Fp8Rows`) are kept as
+                                    stored, and its float layers (those the checkpoint left
+                                    unquantized) stay float
 
 The scale and layout logic is plain torch and runs (and is tested) on the CPU; only the
 matmul needs the GPU. torch is asked about CUDA only inside the checks.
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ConfigError
+from engine.worker.quant.fp8_rows import Fp8Rows, concat_fp8_rows
 from engine.worker.quant.linear import QuantLinear
 
 E4M3_MAX = 448.0
@@ -36,6 +41,14 @@ def check_fp8_device(device: torch.device, key: str) -> None:
         raise ConfigError(
             key, f"fp8 needs compute capability >= 8.9; this GPU is sm {cap[0]}{cap[1]}"
         )
+
+
+def fp8_capable(device: torch.device) -> bool:
+    try:
+        check_fp8_device(device, "")
+    except ConfigError:
+        return False
+    return True
 
 
 def check_kv_dtype(kv_dtype: str, device: torch.device) -> None:
@@ -61,20 +74,39 @@ def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8Linear(QuantLinear):
-    """e4m3 weight rows with per-channel scales; see the module docstring."""
+    """e4m3 weight rows with per-channel scales; see the module docstring.
+
+    `quantize_float` False (a pre-quantized checkpoint): float shards are the layers the
+    checkpoint left unquantized and stay float."""
+
+    quantize_float = True
 
     def finalize(self) -> str:
-        super().finalize()  # float shards joined into `dense` (target None)
-        q, scale = quantize_fp8_rows(self.dense)
-        self.dense = torch.empty(0, device=q.device)
+        parts = self._take_parts()
+        device = self._device()
+        if all(isinstance(p, Fp8Rows) for p in parts):
+            rows = concat_fp8_rows(parts).to(device)  # the checkpoint's own bytes and scales
+            q, scale, how = rows.q, rows.scale.float(), "fp8 e4m3 as stored (per-channel scales)"
+        else:
+            parts = [p.dequantize() if isinstance(p, Fp8Rows) else p for p in parts]
+            dense = torch.cat([p.to(self.act_dtype) for p in parts]).to(device)
+            if not self.quantize_float:  # left unquantized by the checkpoint: float
+                self.dense = dense
+                return f"dense {str(self.act_dtype).removeprefix('torch.')}"
+            q, scale = quantize_fp8_rows(dense)
+            how = "fp8 e4m3 (per-channel scales)"
         self.register_buffer("fp8_weight", q, persistent=False)
         self.register_buffer("fp8_scale", scale.view(1, -1), persistent=False)
-        return "fp8 e4m3 (per-channel scales)"
+        return how
 
     def weight_bytes(self) -> int:
+        if not hasattr(self, "fp8_weight"):
+            return super().weight_bytes()
         return self.fp8_weight.numel() + self.fp8_scale.numel() * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "fp8_weight"):  # a float layer of a pre-quantized checkpoint
+            return super().forward(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.device.type != "cuda":  # the reference path (tests): same values, F.linear

@@ -39,6 +39,8 @@ def install(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
         )))  # fmt: skip
         if cls is QuantLinear:
             replace[-1][1].int8_activations = plan.int8_activations
+        else:  # a pre-quantized checkpoint's float layers are those it left float
+            replace[-1][1].quantize_float = plan.source is None
     emb = model.model.embed_tokens
     qe = QuantEmbedding(emb.num_embeddings, emb.embedding_dim, emb.tp, emb.vocab_start, dtype)
     # Tied, the embedding is the LM head too and is quantized like one; untied it is only

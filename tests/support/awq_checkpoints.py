@@ -38,7 +38,10 @@ def _import_awq_quietly() -> None:
     DeprecationWarning itself, so the warning is recorded here and dropped). It is installed
     without its dependencies (Makefile): `datasets`, which its calibration loader imports
     at the top of the package, gets a stand-in that refuses to load anything (the packing
-    functions used here never call it)."""
+    functions used here never call it) for the length of that import."""
+    if "awq" in sys.modules:
+        return
+    stub = None
     try:
         import datasets  # noqa: F401
     except ImportError:
@@ -49,8 +52,12 @@ def _import_awq_quietly() -> None:
 
         stub.load_dataset = load_dataset  # type: ignore[attr-defined]
         sys.modules["datasets"] = stub
-    with warnings.catch_warnings(record=True):
-        import awq  # noqa: F401
+    try:
+        with warnings.catch_warnings(record=True):
+            import awq  # noqa: F401
+    finally:  # only AutoAWQ sees the stand-in: to every other library datasets is absent
+        if stub is not None and sys.modules.get("datasets") is stub:
+            del sys.modules["datasets"]
 
 
 def _copy_side_files(src: Path, out: Path) -> None:

@@ -26,6 +26,7 @@ PHASES = [
     "fp8",
     "spec",
     "kvtier",
+    "fp8kv",
 ]
 
 
@@ -50,6 +51,17 @@ def test_dry_run_passes_every_phase_and_reports_each(tmp_path):
     assert res["kv"]["top_p_step"].startswith("ok")
     assert {"decode_eager_b1", "decode_graphs_b4"} <= set(res["decode"])
     assert "errors" not in res["decode"]
+    kv8 = res["fp8"]["kv_pages"]  # fp8 KV pages, on the stand-in flashinfer in the dry run
+    assert "errors" not in res["fp8"] and kv8["backend"] == "flashinfer"
+    assert kv8["modules"] == [
+        "decode-bfloat16-kv-float8_e4m3fn-d128", "prefill-fa2-bfloat16-kv-float8_e4m3fn-d128",
+        "prefill-fa2-paged-bfloat16-kv-float8_e4m3fn-d128",
+    ]  # fmt: skip
+    assert kv8["bytes_per_block"]["bfloat16"] == 2 * kv8["bytes_per_block"]["float8_e4m3fn"]
+    assert kv8["planned_kv_dtypes"] == ["bfloat16", "float8_e4m3fn"]
+    assert kv8["teacher_forced"]["positions"] == 8 * (2 + 32)
+    assert set(kv8["fp8_over_bf16"]) == {"eager_b1", "eager_b4", "graphs_b1", "graphs_b4"}
+    assert "greedy_agreement" in res["fp8"]  # the fp8-linears part ran after it
     assert res["spec"]["ngram"]["equal"] == res["spec"]["ngram"]["of"] == 16
     assert res["spec"]["draft"]["accepted"] > 0
     log = (tmp_path / "gpu_check.log").read_text()

@@ -233,9 +233,10 @@ class LLMEngine:
         # `fail_step` fails exactly the requests that were in it.
         self._step_output: SchedulerOutput | None = None
         logger.info(
-            "engine ready model=%s task=%s device=%s dtype=%s kv_blocks=%d block_size=%d "
-            "max_model_len=%d attention=%s decode_graphs=%s tensor_parallel=%d load_s=%.1f",
-            self.model_name, self.task, self.device, loaded.dtype, num_blocks, block_size,
+            "engine ready model=%s task=%s device=%s dtype=%s kv_dtype=%s kv_blocks=%d "
+            "block_size=%d max_model_len=%d attention=%s decode_graphs=%s tensor_parallel=%d "
+            "load_s=%.1f",
+            self.model_name, self.task, self.device, loaded.dtype, kv_dtype, num_blocks, block_size,
             self.max_model_len, self.accelerator.attention_backend,
             self.accelerator.decode_graphs, tp.size, time.perf_counter() - t0,
         )  # fmt: skip

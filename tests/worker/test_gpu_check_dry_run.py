@@ -101,3 +101,21 @@ def test_run_parts_returns_the_parts_that_raised(fails):
     res: dict = {}
     assert gpu_decode.run_parts({"p": part}, res) == (["p"] if fails else [])
     assert ("errors" in res) == fails
+
+
+def test_a_failing_fp8_part_is_recorded_and_fails_the_phase_after_the_other_ran(
+    tmp_path, monkeypatch
+):
+    import bench.gpu_fp8_kv as gpu_fp8_kv
+    import bench.gpu_phases as gpu_phases
+
+    def broken(model, dev, dry, save, res):
+        res["modules"] = ["measured before the error"]
+        raise RuntimeError("fp8 pages moved the reference token's log-prob by 2.4")
+
+    monkeypatch.setattr(gpu_fp8_kv, "fp8_kv_check", broken)
+    assert gpu_phases.main(["fp8", "--work", str(tmp_path), "--dry-run"]) == 1
+    res = json.loads((tmp_path / "fp8.json").read_text())
+    assert "log-prob by 2.4" in res["errors"]["kv_pages"]
+    assert res["kv_pages"]["modules"] == ["measured before the error"]
+    assert "greedy_agreement" in res and "linears" not in res["errors"]

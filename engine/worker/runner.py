@@ -176,6 +176,8 @@ class ModelRunner:
             )  # fmt: skip
         else:
             choice = AttentionChoice(backend)
+            if is_fp8(self.kv_dtype) and backend.name != "flashinfer":
+                raise ConfigError("cache.kv_dtype", f"{_FP8_PAGES}; given the {backend.name} one")
         self.backend = choice.backend
         # What runs attention and decode, and why not the fast path; final after capture.
         self.status = AcceleratorStatus(choice.backend.name, choice.fallback_reason)

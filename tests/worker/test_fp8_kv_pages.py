@@ -318,6 +318,12 @@ def test_the_torch_backend_refuses_fp8_pages_naming_the_key():
                                  flashinfer_module=FakeFlashInfer, kv_dtype=F8)  # fmt: skip
 
 
+def test_a_runner_given_the_torch_backend_refuses_fp8_pages(model):
+    with pytest.raises(ConfigError, match="given the torch one") as info:
+        ModelRunner(model, CPU, F32, 4, RuntimeConfig(), backend=TorchPagedBackend(), kv_dtype=F8)
+    assert info.value.key == "cache.kv_dtype"
+
+
 def _plan_raises(self, *args, **kwargs):
     raise RuntimeError("ninja: build stopped: subcommand failed (batch_prefill)")
 

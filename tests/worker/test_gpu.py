@@ -265,7 +265,8 @@ def test_fp8_pages_read_as_the_torch_backend_reads_their_values(
     """Llama-3-8B's heads (tensor-core decode), contexts past split-KV: FlashInfer over e4m3
     pages equals the torch backend over the same values in bf16 within the bf16 tolerance
     of the test above, the pages are the e4m3 of the reference's cache byte for byte, and
-    the output stays within the fp8 tolerance of bf16 pages (0.25, test_fp8_kv_pages.py)."""
+    the output stays within the fp8 tolerance of bf16 pages (0.25, test_fp8_kv_pages.py;
+    0.139 measured at these shapes and seeds 0-2 on the CPU, float32, with the stand-in)."""
     from engine.worker.attention.kv_dtype import page_bytes, to_fp8
 
     gen = torch.Generator(device=CUDA).manual_seed(0)

@@ -87,7 +87,7 @@ def _compare(backend, reference, spec, name, q_lens, seq_lens, block_size, dtype
     cache = randn(num_blocks, 2, block_size, Hkv, D)
     q, k, v = randn(T, H, D), randn(T, Hkv, D), randn(T, Hkv, D)
     pages = cache.to(kv_dtype) if kv_dtype == dtype else to_fp8(cache)
-    caches = [pages.clone(), pages.to(dtype)]  # the reference reads the same values
+    caches = [pages.clone(), pages.to(dtype, copy=True)]  # the reference reads their values
     kv_in = [(k, v), (k, v) if kv_dtype == dtype else (to_fp8(k).to(dtype), to_fp8(v).to(dtype))]
     outs = []
     for b, c, (kk, vv) in zip((backend, reference), caches, kv_in, strict=True):

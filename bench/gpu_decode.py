@@ -85,11 +85,49 @@ def decode_rate(model, backend, caches, gr, dev, batch: int, per_seq: int, conte
     return dict(tokens_per_s=round(batch * steps / dt, 1), ms_per_step=round(1e3 * dt / steps, 3))
 
 
+def decode_modes(model, backend, dev: torch.device, batches: list[int], context: int,
+                 steps: int, res: dict, save: Callable[[], None], kv_dtype: torch.dtype | None = None,
+                 key: str = "decode") -> None:  # fmt: skip
+    """res[f"{key}_{eager|graphs}_b{batch}"]: `decode_rate` over fresh caches of `kv_dtype`
+    (default the model's; fp8 pages), eagerly and through a captured GraphRunner."""
+    from engine.worker.attention.kv_dtype import new_kv_cache
+    from engine.worker.decode_graphs import GraphRunner
+    from graphs.buckets import capture_sizes
+
+    dtype = next(model.parameters()).dtype
+    per_seq = math.ceil((context + steps + 8) / BLOCK)
+    max_b = max(batches)
+    shape = (max_b * per_seq, 2, BLOCK, model.num_kv_heads, model.head_dim)
+    kv = kv_dtype or dtype
+    caches = [new_kv_cache(shape, kv, dev) for _ in range(model.num_layers)]
+    for mode in ("eager", "graphs"):
+        gr = None
+        if mode == "graphs":
+            if dev.type == "cuda" and not getattr(backend, "supports_cuda_graphs", False):
+                res[f"{key}_graphs_skipped"] = f"{backend.name} backend cannot be captured"
+                continue
+            sizes = capture_sizes(None, max_b)
+            gr = GraphRunner(model, backend, caches, sizes, dev, block_size=BLOCK,
+                             max_blocks_per_seq=per_seq, dtype=dtype)  # fmt: skip
+            st = gr.capture()
+            res[f"{key}_graph_capture"] = dict(
+                seconds=round(st.capture_seconds, 2), buckets=len(sizes),
+                memory_mib=round(st.graph_memory_bytes / 2**20), replayed=gr.use_graphs,
+            )  # fmt: skip
+        for b in batches:
+            res[f"{key}_{mode}_b{b}"] = decode_rate(
+                model, backend, caches, gr, dev, b, per_seq, context, steps
+            )
+            save()
+        del gr
+    del caches
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def bench_decode(dims: dict, dev: torch.device, batches: list[int], context: int, steps: int,
                  res: dict, save: Callable[[], None]) -> None:  # fmt: skip
-    from engine.worker.decode_graphs import GraphRunner
     from engine.worker.runner import select_attention_backend
-    from graphs.buckets import capture_sizes
 
     dtype = torch.bfloat16
     t0 = time.perf_counter()
@@ -104,29 +142,7 @@ def bench_decode(dims: dict, dev: torch.device, batches: list[int], context: int
     backend = choice.backend
     res["decode_backend"] = backend.name
     res["attention_fallback_reason"] = choice.fallback_reason
-    per_seq = math.ceil((context + steps + 8) / BLOCK)
-    max_b = max(batches)
-    shape = (max_b * per_seq, 2, BLOCK, model.num_kv_heads, model.head_dim)
-    caches = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(model.num_layers)]
-    for mode in ("eager", "graphs"):
-        gr = None
-        if mode == "graphs":
-            if dev.type == "cuda" and not getattr(backend, "supports_cuda_graphs", False):
-                res["decode_graphs_skipped"] = f"{backend.name} backend cannot be captured"
-                continue
-            sizes = capture_sizes(None, max_b)
-            gr = GraphRunner(model, backend, caches, sizes, dev, block_size=BLOCK,
-                             max_blocks_per_seq=per_seq)  # fmt: skip
-            st = gr.capture()
-            res["graph_capture"] = dict(seconds=round(st.capture_seconds, 2), buckets=len(sizes),
-                                        memory_mib=round(st.graph_memory_bytes / 2**20),
-                                        replayed=gr.use_graphs)  # fmt: skip
-        for b in batches:
-            res[f"decode_{mode}_b{b}"] = decode_rate(
-                model, backend, caches, gr, dev, b, per_seq, context, steps
-            )
-            save()
-        del gr
+    decode_modes(model, backend, dev, batches, context, steps, res, save)
     if dev.type == "cuda":  # batch 1 reads every weight once per token
         hbm = 4.8e12
         if "decode_graphs_b1" in res:
@@ -135,7 +151,7 @@ def bench_decode(dims: dict, dev: torch.device, batches: list[int], context: int
                                       share=round(weight_bytes / hbm / (ms / 1e3), 3))  # fmt: skip
         else:
             res["roofline_b1"] = "not measured: no graphs run at batch 1"
-    del model, caches
+    del model
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

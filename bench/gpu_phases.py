@@ -12,9 +12,14 @@
           top-p and scored with prompt logprobs, out of memory or not
   served  `appliance serve` on the device with a tiny checkpoint: /health green, one
           streamed chat completion over HTTP, one gRPC Generate stream
+  fp8     Llama-3-8B's shape (random bf16 weights): fp8 KV pages against bf16 pages
+          (bench/gpu_fp8_kv.py: JIT, teacher-forced log-probs, decode tok/s at batch 1/64),
+          then fp8 e4m3 linears against bf16 (batch-1 tok/s, greedy agreement)
   report  merges DIR/*.json and DIR/phases.tsv into $OUT/gpu_check.json
 
-Each phase writes DIR/<phase>.json and exits 1 on any error (traceback on stderr).
+Each phase writes DIR/<phase>.json and exits 1 on any error (traceback on stderr); a phase
+made of parts (fp8) records each part's error under "errors", writes what it measured and
+exits 1.
 `--dry-run`: the same code on the CPU, tiny shapes, the torch backend.
 """
 
@@ -246,22 +251,44 @@ def phase_served(dry: bool) -> dict:
     return res
 
 
-def phase_fp8(dry: bool) -> dict:
-    """fp8 e4m3 weights (engine/worker/quant/fp8.py) vs bf16 on Llama-3-8B shapes: batch-1
-    decode tok/s of each, and greedy agreement over 32 steps from the same start."""
+def phase_fp8(dry: bool, work: Path) -> dict:
+    """On one random Llama-3-8B-shaped bf16 model: fp8 KV pages vs bf16 pages
+    (bench/gpu_fp8_kv.py), then fp8 e4m3 linears vs bf16 (`_fp8_linears`). Each part's
+    error is recorded and the phase fails after both ran."""
+    import torch
+
+    from bench.gpu_decode import run_parts
+    from bench.gpu_fp8_kv import fp8_kv_check
+    from bench.random_model import LLAMA3_8B, TINY, random_model
+
+    dev, dtype = _device(dry), torch.bfloat16
+    model = random_model(TINY if dry else LLAMA3_8B, dev, dtype)
+    res: dict[str, Any] = {"dims": "tiny" if dry else "llama3-8b", "kv_pages": {}}
+
+    def save() -> None:  # a phase cut short by its timeout keeps what it measured
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "fp8.json").write_text(json.dumps(res, indent=1, sort_keys=True))
+
+    run_parts({
+        "kv_pages": lambda: fp8_kv_check(model, dev, dry, save, res["kv_pages"]),
+        "linears": lambda: res.update(_fp8_linears(model, dev, dry)),
+    }, res)  # fmt: skip
+    return res
+
+
+def _fp8_linears(model, dev, dry: bool) -> dict:
+    """fp8 e4m3 weights (engine/worker/quant/fp8.py) vs bf16 on `model` (converted in place):
+    batch-1 decode tok/s of each, and greedy agreement over 32 steps from the same start."""
     import numpy as np
     import torch
 
     from bench.gpu_decode import decode_rate
-    from bench.random_model import LLAMA3_8B, TINY, random_model
     from engine.worker.attention.base import ForwardContext
     from engine.worker.quant.fp8 import to_fp8
     from engine.worker.runner import select_attention_backend
 
-    dev, dtype = _device(dry), torch.bfloat16
-    dims = TINY if dry else LLAMA3_8B
+    dtype = torch.bfloat16
     context, steps, per_seq, block = 128, 8 if dry else 64, 16, 16
-    model = random_model(dims, dev, dtype)
     backend = select_attention_backend(dev, dtype, specs=model.attention_specs).backend
     shape = (per_seq * 2, 2, block, model.num_kv_heads, model.head_dim)
 
@@ -281,7 +308,7 @@ def phase_fp8(dry: bool) -> dict:
             ids = torch.tensor([out[-1]], device=dev)
         return out
 
-    res: dict[str, Any] = {"backend": backend.name, "dims": "tiny" if dry else "llama3-8b"}
+    res: dict[str, Any] = {"backend": backend.name}
     res["bf16"] = decode_rate(model, backend, caches(), None, dev, 1, per_seq, context, steps)
     ref = greedy(32)
     res["fp8_linears"] = to_fp8(model)
@@ -326,11 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.phase == "report":
         return 0 if report(args.work, args.out)["ok"] else 1
-    res = PHASES[args.phase](args.dry_run)
+    phase = PHASES[args.phase]
+    res = phase(args.dry_run, args.work) if args.phase == "fp8" else phase(args.dry_run)
     args.work.mkdir(parents=True, exist_ok=True)
     (args.work / f"{args.phase}.json").write_text(json.dumps(res, indent=1, sort_keys=True))
     print(json.dumps(res, sort_keys=True))
-    return 0
+    return 1 if res.get("errors") else 0
 
 
 if __name__ == "__main__":

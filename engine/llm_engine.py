@@ -45,6 +45,7 @@ from engine.output.tokenizer import Tokenizer
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.speculative import build_speculator, load_draft_model
+from engine.worker.attention.kv_dtype import kv_cache_dtype
 from engine.worker.distributed.group import threads_per_rank
 from engine.worker.distributed.pool import WorkerPool
 from engine.worker.kv_sizing import KVGeometry, size_kv_cache
@@ -157,6 +158,7 @@ class LLMEngine:
             config.model, resolve_max_model_len(config.model, loaded.hf_config), self.pooling
         )
         block_size = config.cache.block_size
+        kv_dtype = kv_cache_dtype(config.cache.kv_dtype, loaded.dtype)
         self.runner = ModelRunner(
             model,
             self.device,
@@ -167,6 +169,7 @@ class LLMEngine:
             lora=config.lora,
             speculative=config.speculative,
             pooling=self.pooling,
+            kv_dtype=kv_dtype,
         )
         if config.speculative.method == "draft":
             self.runner.proposer = load_draft_model(
@@ -177,7 +180,7 @@ class LLMEngine:
         self.loras = (
             LoRARegistry(lora.shapes, config.lora, lora.dtype) if lora is not None else None
         )
-        geom = KVGeometry.of(model, block_size, loaded.dtype)
+        geom = KVGeometry.of(model, block_size, kv_dtype)  # fp8 pages: 1 byte an element
         if self.runner.proposer is not None:  # a draft model's KV shares the block ids
             geom = replace(geom, extra_bytes_per_block=self.runner.proposer.kv_bytes_per_block)
         num_blocks = size_kv_cache(self.runner, config, geom, self.max_model_len, tp)
@@ -230,9 +233,10 @@ class LLMEngine:
         # `fail_step` fails exactly the requests that were in it.
         self._step_output: SchedulerOutput | None = None
         logger.info(
-            "engine ready model=%s task=%s device=%s dtype=%s kv_blocks=%d block_size=%d "
-            "max_model_len=%d attention=%s decode_graphs=%s tensor_parallel=%d load_s=%.1f",
-            self.model_name, self.task, self.device, loaded.dtype, num_blocks, block_size,
+            "engine ready model=%s task=%s device=%s dtype=%s kv_dtype=%s kv_blocks=%d "
+            "block_size=%d max_model_len=%d attention=%s decode_graphs=%s tensor_parallel=%d "
+            "load_s=%.1f",
+            self.model_name, self.task, self.device, loaded.dtype, kv_dtype, num_blocks, block_size,
             self.max_model_len, self.accelerator.attention_backend,
             self.accelerator.decode_graphs, tp.size, time.perf_counter() - t0,
         )  # fmt: skip

@@ -21,10 +21,15 @@
 #   served   appliance serve on the device: health, streamed chat, gRPC stream
 #   kv       KV sizing at 0.9 with 256 sequences, an OOM-free top-p step (Llama-3-8B shape)
 #   decode   decode tok/s at batch 1/8/64/256, context 512, eager vs graphs (Llama-3-8B shape)
+#   fp8      Llama-3-8B shape: fp8 KV pages vs bf16 pages (JIT of the e4m3-page modules,
+#            teacher-forced log-probs, decode tok/s at batch 1/64), then fp8 linears vs bf16
 #   spec     speculative decoding (n-gram, draft model): verify steps on FlashInfer's prefill
 #            plan, eager beside the decode graphs; greedy equal to no speculation (bench/gpu_spec.py)
 #   kvtier   tests/worker/test_gpu.py: KV tier copy stream + pinned buffers, greedy unchanged
-#            with host + disk tiers (issue 30; last, so it displaces no older phase)
+#            with host + disk tiers (issue 30)
+#   fp8kv    tests/worker/test_gpu.py: fp8 KV pages vs the torch backend on their values,
+#            under decode graphs, served by the engine (twice the blocks), across the tier's
+#            copy stream (issue 26; last, so it displaces no older phase)
 # Output: $OUT/gpu_check.log (everything, as it happens) and $OUT/gpu_check.json (per phase:
 # status, exit code, seconds, results). Exit status 1 if any phase failed or timed out.
 set -uo pipefail
@@ -34,12 +39,13 @@ WHEELS=("flashinfer-python==0.7.2.post1" "apache-tvm-ffi==0.1.15.post2")
 CARRY=.gpu
 SITE=/tmp/gpu_site
 PY=${PY:-python3}
-ALL_PHASES=(setup jit backend graphs fidelity served kv decode fp8 spec kvtier)
+ALL_PHASES=(setup jit backend graphs fidelity served kv decode fp8 spec kvtier fp8kv)
 declare -A LIMIT=([setup]=60 [jit]=200 [backend]=90 [graphs]=90 [fidelity]=120 [served]=120
-                  [kv]=120 [decode]=120 [fp8]=150 [spec]=120 [kvtier]=90)
+                  [kv]=120 [decode]=120 [fp8]=300 [spec]=120 [kvtier]=90 [fp8kv]=150)
 # pytest phases: a -k selection of tests/worker/test_gpu.py (the dry run checks it selects some)
 declare -A TESTS=([backend]="(flashinfer_matches and not 24) or start_up_probe" [graphs]="graph_replays"
-                  [fidelity]="transformers or picks_flashinfer or embeddings_on_cuda" [kvtier]="kv_tier")
+                  [fidelity]="transformers or picks_flashinfer or embeddings_on_cuda" [kvtier]="kv_tier"
+                  [fp8kv]="fp8_pages")
 
 prepare() {  # on the CPU box: the trimmed FlashInfer and the tvm-ffi wheel, in .gpu/
     local py=.venv/bin/python dl tree
@@ -54,6 +60,10 @@ prepare() {  # on the CPU box: the trimmed FlashInfer and the tvm-ffi wheel, in 
     (cd "$tree" && unzip -q "$dl"/flashinfer_python-*.whl) || return 1
     # Keep the Python package and include/ (FA2 decode/prefill need only flashinfer's own
     # headers and tvm-ffi's); of csrc/ only the batch decode/prefill sources, not sm90/MLA/fp8.
+    # fp8 KV pages need none of the *fp8* files: those are FA3's fp8-query kernels
+    # (batch_prefill_fp8_*sm90*); FA2 decode/prefill over e4m3 pages are the same sources
+    # (batch_decode.cu, batch_prefill*.cu, the kernel_inst jinja) instantiated with an
+    # e4m3 KV type, and FLASHINFER_ENABLE_FP8_E4M3 is among FlashInfer's default nvcc flags.
     local data=$tree/flashinfer/data
     rm -rf "$data/cutlass" "$data/cccl"
     find "$data/csrc" -mindepth 1 -maxdepth 1 \

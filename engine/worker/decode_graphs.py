@@ -122,17 +122,21 @@ class GraphRunner:
         max_blocks_per_seq: int,
         use_graphs: bool | None = None,
         graph_factory: GraphFactory | None = None,
+        dtype: torch.dtype | None = None,
     ):
         """`model`: `model(input_ids, positions, ctx) -> hidden [T, H]` with `attention_specs`.
         `max_blocks_per_seq`: ceil(max_model_len / block_size), the widest block table.
         `use_graphs`: capture and replay (default: on CUDA); off runs the same buffers eagerly.
         `graph_factory`: how a bucket is recorded (default CUDA graphs; tests pass a stand-in).
+        `dtype`: the model's (its queries'); default the caches' dtype, which differs with fp8
+        KV pages (the graph wrappers are planned for both).
         """
         if not capture_sizes:
             raise ValueError("capture_sizes must not be empty")
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
+        self.dtype = dtype
         self.sizes = tuple(sorted(set(capture_sizes)))
         self.max_batch = self.sizes[-1]
         self.device = device
@@ -214,9 +218,9 @@ class GraphRunner:
         state = self.graph_states.get(bucket)
         if state is None:
             max_pages = self.max_batch * self.buffers.max_blocks_per_seq
-            specs, dtype = self.model.attention_specs, self.kv_caches[0].dtype
+            specs, kv_dtype = self.model.attention_specs, self.kv_caches[0].dtype
             state = self.graph_states[bucket] = self.backend.make_graph_state(
-                bucket, max_pages, specs, dtype
+                bucket, max_pages, specs, self.dtype or kv_dtype, kv_dtype
             )
         md = dummy_decode_metadata(self.buffers, bucket, self.block_size)
         self.backend.begin_graph_step(state, md)  # fresh per-step state, built in-graph
@@ -246,13 +250,14 @@ def build_graph_runner(
     max_num_seqs: int,
     max_model_len: int,
     graph_factory: GraphFactory | None = None,
+    dtype: torch.dtype | None = None,
 ) -> GraphRunner | None:
     """A captured GraphRunner, or None (with the reason logged) when graphs are not to be used.
 
     None when `enabled` (runtime.cuda_graphs) is off, the device is not CUDA (and no
     `graph_factory` stand-in is given), or the backend has no graph-safe decode path (the
     torch backend reads host lists every step). `sizes`: runtime.capture_sizes (None:
-    graphs' default). A capture error propagates (the runner falls back to eager decode).
+    graphs' default). `dtype`: the model's (see `GraphRunner`). A capture error propagates (the runner falls back to eager decode).
     Call after the final KV cache allocation and after the model is compiled, before serving.
     """
     reason = None
@@ -275,6 +280,7 @@ def build_graph_runner(
         max_blocks_per_seq=-(-max_model_len // block_size),
         use_graphs=True,
         graph_factory=graph_factory,
+        dtype=dtype,
     )
     runner.capture()
     return runner

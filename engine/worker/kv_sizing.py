@@ -38,13 +38,14 @@ class KVGeometry:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the pages' (cache.kv_dtype resolved): fp8 e4m3 counts 1 byte
     # Bytes per block of another cache indexed by the same block ids (a draft model's).
     extra_bytes_per_block: int = 0
 
     @classmethod
     def of(cls, model, block_size: int, dtype: torch.dtype) -> KVGeometry:
-        """The cache geometry of `model` (its KV heads: this rank's, under tensor parallelism)."""
+        """The cache geometry of `model` (its KV heads: this rank's, under tensor parallelism)
+        with pages of `dtype`."""
         return cls(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype)
 
     @property

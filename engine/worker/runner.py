@@ -19,6 +19,7 @@ import torch
 from engine.config import ConfigError, LoRAConfig, RuntimeConfig, SpeculativeConfig
 from engine.core.step_io import PromptLogprobsChunk, RunnerOutput, SchedulerOutput, TokenLogprobs
 from engine.worker.attention.base import AttentionBackend, AttentionLayerSpec, ForwardContext
+from engine.worker.attention.kv_dtype import is_fp8, new_kv_cache, page_bytes
 from engine.worker.decode_graphs import GraphRunner, build_graph_runner
 from engine.worker.input_batch import CachedRequestState, StepInputs, build_step_inputs
 from engine.worker.lora.model_lora import ModelLoRA
@@ -61,6 +62,7 @@ def select_attention_backend(
     specs: Sequence[AttentionLayerSpec] = (),
     block_size: int = 16,
     flashinfer_module: Any = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionChoice:
     """The attention backend for `setting` (runtime.attention_backend).
 
@@ -70,22 +72,34 @@ def select_attention_backend(
     layers) with `block_size`. Under `auto` any failure falls back to the torch backend with
     the reason logged and returned; under `flashinfer` it raises `ConfigError` naming
     runtime.attention_backend with that reason.
+
+    `kv_dtype`: the pages' dtype (default `dtype`). fp8 pages are read by FlashInfer only, so
+    there is no fallback then: the torch backend (chosen, or the only one left) is refused
+    with a `ConfigError` naming cache.kv_dtype and the reason.
     """
     from engine.worker.attention.torch_paged import TorchPagedBackend
 
+    fp8_pages = kv_dtype is not None and is_fp8(kv_dtype)
     wanted = setting == "flashinfer" or (
         setting == "auto" and (device.type == "cuda" or flashinfer_module is not None)
     )
     if not wanted:
+        if fp8_pages:
+            why = "runtime.attention_backend is torch" if setting == "torch" else device.type
+            raise ConfigError(
+                "cache.kv_dtype", f"{_FP8_PAGES}; here the torch backend runs ({why})"
+            )
         return AttentionChoice(TorchPagedBackend(native=cpu_kernels))
     try:
-        backend = _probed_flashinfer(device, dtype, specs, block_size, flashinfer_module)
+        backend = _probed_flashinfer(device, dtype, specs, block_size, flashinfer_module, kv_dtype)
     except Exception as e:  # noqa: BLE001 - import, version, JIT, plan, run: all fall back
         reason = describe_error(e)
         if setting == "flashinfer":
             raise ConfigError(
                 "runtime.attention_backend", f"flashinfer cannot run here: {reason}"
             ) from e
+        if fp8_pages:  # nothing to fall back to: the torch backend reads no fp8 pages
+            raise ConfigError("cache.kv_dtype", f"{_FP8_PAGES}, which cannot run: {reason}") from e
         logger.warning(
             "attention falls back to the torch backend (runtime.attention_backend auto): %s",
             reason,
@@ -94,7 +108,12 @@ def select_attention_backend(
     return AttentionChoice(backend)
 
 
-def _probed_flashinfer(device, dtype, specs, block_size, flashinfer_module) -> AttentionBackend:
+_FP8_PAGES = "fp8_e4m3 pages need the FlashInfer backend (CUDA; cache.kv_dtype auto runs anywhere)"
+
+
+def _probed_flashinfer(
+    device, dtype, specs, block_size, flashinfer_module, kv_dtype=None
+) -> AttentionBackend:
     from engine.worker.attention.flashinfer import FlashInferBackend, FlashInferUnavailable
     from engine.worker.attention.probe import probe_attention
 
@@ -103,7 +122,7 @@ def _probed_flashinfer(device, dtype, specs, block_size, flashinfer_module) -> A
         raise FlashInferUnavailable(
             f"FlashInfer runs fp16/bf16 caches, not {dtype}; set model.dtype auto or bfloat16"
         )
-    probe_attention(backend, specs, block_size, dtype, device)
+    probe_attention(backend, specs, block_size, dtype, device, kv_dtype)
     return backend
 
 
@@ -130,6 +149,7 @@ class ModelRunner:
         lora: LoRAConfig | None = None,
         speculative: SpeculativeConfig | None = None,
         pooling: PoolingSpec | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         """`pooling`: an embedding model (no LM head): every request is prefill-only, and
         the step answers with pooled vectors instead of samples (no decode graphs then).
@@ -139,9 +159,12 @@ class ModelRunner:
         stand-in for the flashinfer module (tests). `lora`: with `enabled`, the model's
         linears run LoRA adapters (`engine.worker.lora`; no decode graphs then).
         `speculative`: speculative decoding is on (verification of the step's proposals
-        runs either way; this enables the grammar's forced-token proposals)."""
+        runs either way; this enables the grammar's forced-token proposals). `kv_dtype`: the
+        KV pages' element type (`attention.kv_dtype.kv_cache_dtype`; default `dtype`); fp8
+        pages need FlashInfer (`select_attention_backend`)."""
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.block_size = block_size
         self.runtime = runtime
         cpu_kernels = runtime.cpu_kernels and not runtime.compile
@@ -149,10 +172,12 @@ class ModelRunner:
             choice = select_attention_backend(
                 device, dtype, cpu_kernels, setting=runtime.attention_backend,
                 specs=model.attention_specs, block_size=block_size,
-                flashinfer_module=flashinfer_module,
+                flashinfer_module=flashinfer_module, kv_dtype=self.kv_dtype,
             )  # fmt: skip
         else:
             choice = AttentionChoice(backend)
+            if is_fp8(self.kv_dtype) and backend.name != "flashinfer":
+                raise ConfigError("cache.kv_dtype", f"{_FP8_PAGES}; given the {backend.name} one")
         self.backend = choice.backend
         # What runs attention and decode, and why not the fast path; final after capture.
         self.status = AcceleratorStatus(choice.backend.name, choice.fallback_reason)
@@ -183,7 +208,7 @@ class ModelRunner:
         m = self.model
         shape = (num_blocks, 2, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)
+            new_kv_cache(shape, self.kv_dtype, self.device) for _ in range(m.num_layers)
         ]
         if self.proposer is not None:
             self.proposer.allocate_kv_cache(num_blocks)
@@ -194,7 +219,8 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for cache in self.kv_caches:
-            cache[dst] = cache[src]
+            pages = page_bytes(cache)  # fp8 pages are copied as bytes
+            pages[dst] = pages[src]
         if self.proposer is not None:
             self.proposer.copy_blocks(src, dst)
 
@@ -213,7 +239,7 @@ class ModelRunner:
                 enabled=self.runtime.cuda_graphs and self.lora is None and self.pooler is None,
                 sizes=self.runtime.capture_sizes,
                 block_size=self.block_size, max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len, graph_factory=graph_factory,
+                max_model_len=max_model_len, graph_factory=graph_factory, dtype=self.dtype,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - any capture failure: decode stays eager
             reason = describe_error(e)

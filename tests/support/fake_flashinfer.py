@@ -1,6 +1,13 @@
 """A stand-in `flashinfer` module for CPU tests: wrappers that follow FlashInfer's documented
 contract (CSR page table, causal bottom-right alignment, `window_left`, soft cap, fixed plan
-buffers in graph mode) with plain torch math, and the real backend built over it."""
+buffers in graph mode) with plain torch math, and the real backend built over it.
+
+Data types as FlashInfer 0.7 handles them: `plan()` takes `q_data_type` (default float16)
+and `kv_data_type` (default: the queries'), and `run()` refuses queries or pages of another
+dtype than planned (its `_check_cached_qkv_data_type`). fp8 pages are widened to the
+queries' dtype before the products (exact for e4m3 in bf16/fp16/fp32), `k_scale` multiplies
+the softmax scale and `v_scale` the output (both default 1), as the FA2 kernels do: a
+wrong cast on the write side shows up in the output, against the torch backend."""
 
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ class _FakeWrapper:
         self.runs = 0
 
     def plan(self, *args, causal=False, sm_scale=None, window_left=-1, logits_soft_cap=0.0,
-             q_data_type=None, kv_data_type=None):  # fmt: skip
+             q_data_type=torch.float16, kv_data_type=None):  # fmt: skip
         if self.prefill:
             qo, *args = args
         indptr, indices, last, heads, kv_heads, head_dim, page_size = args
@@ -50,12 +57,20 @@ class _FakeWrapper:
         self.plans.append(
             dict(qo=qo, indptr=indptr, indices=indices, last=last, heads=heads, kv_heads=kv_heads,
                  head_dim=head_dim, page_size=page_size, causal=causal, scale=sm_scale,
-                 window_left=window_left, soft_cap=logits_soft_cap)
+                 window_left=window_left, soft_cap=logits_soft_cap, q_dtype=q_data_type,
+                 kv_dtype=kv_data_type or q_data_type)
         )  # fmt: skip
 
-    def run(self, q, kv_cache):
+    def run(self, q, kv_cache, *, k_scale=None, v_scale=None):
         self.runs += 1
         p = self.plans[-1]
+        if q.dtype != p["q_dtype"] or kv_cache.dtype != p["kv_dtype"]:
+            raise ValueError(
+                f"planned q {p['q_dtype']} / kv {p['kv_dtype']}, got q {q.dtype} / kv "
+                f"{kv_cache.dtype}"
+            )
+        kv_cache = kv_cache.to(q.dtype)  # fp8 pages widened to the queries' dtype
+        scale = p["scale"] * (1.0 if k_scale is None else k_scale)
         out = torch.zeros_like(q)
         group = p["heads"] // p["kv_heads"]
         for i in range(len(p["qo"]) - 1):
@@ -67,7 +82,7 @@ class _FakeWrapper:
             keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
             vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
             qi = q[q0:q1].transpose(0, 1)  # [H, n, D]
-            scores = qi @ keys.transpose(1, 2) * p["scale"]
+            scores = qi @ keys.transpose(1, 2) * scale
             if p["soft_cap"] > 0:
                 scores = p["soft_cap"] * torch.tanh(scores / p["soft_cap"])
             qpos = torch.arange(kv_len - (q1 - q0), kv_len)[:, None]  # bottom-right aligned
@@ -77,7 +92,7 @@ class _FakeWrapper:
                 allowed = allowed & (kpos >= qpos - p["window_left"])
             scores = scores.masked_fill(~allowed, float("-inf"))
             out[q0:q1] = (scores.softmax(-1) @ vals).transpose(0, 1)
-        return out
+        return out if v_scale is None else out * v_scale
 
 
 class _FakePrefill(_FakeWrapper):

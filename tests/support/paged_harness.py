@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.worker.attention.kv_dtype import new_kv_cache
 
 
 def build_metadata(
@@ -74,8 +75,8 @@ class PagedRun:
         self.model, self.backend, self.block_size = model, backend, block_size
         self.device = torch.device(device)
         shape = (num_blocks, 2, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(model.num_layers)
+        self.kv_caches = [  # `dtype` fp8: e4m3 pages (a backend that reads them: FlashInfer)
+            new_kv_cache(shape, dtype, self.device) for _ in range(model.num_layers)
         ]
         gen = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_blocks, generator=gen).tolist()

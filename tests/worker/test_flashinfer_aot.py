@@ -60,3 +60,36 @@ def test_build_all_builds_decode_and_both_fa2_prefill_modules_once_each():
     assert calls == ["decode", "primary", "paged"] * 2
     assert [b["module"] for b in built] == [m.name for m in mods]
     assert aot.main(["--list", "--head-dims", "128", "--dtypes", "bfloat16"]) == 0
+
+
+def test_fp8_page_modules_pass_e4m3_as_the_kv_type_only():
+    key = plan_key(AttentionLayerSpec(32, 8, 128, 128**-0.5), torch.bfloat16, torch.float8_e4m3fn)
+    mods = aot.required_modules([128], [torch.bfloat16], [None, torch.float8_e4m3fn])
+    assert [m.name for m in mods][3:] == [
+        "decode-bfloat16-kv-float8_e4m3fn-d128", "prefill-fa2-bfloat16-kv-float8_e4m3fn-d128",
+        "prefill-fa2-paged-bfloat16-kv-float8_e4m3fn-d128",
+    ]  # fmt: skip
+    assert [m.kv_dtype for m in mods[:3]] == [None] * 3  # the model's dtype, as before
+    dq, dkv, do, idx = mods[4].args()[:4]
+    assert (dq, dkv, do, idx) == (key.q_dtype, key.kv_dtype, key.q_dtype, torch.int32)
+    assert aot.main(["--list", "--dtypes", "bfloat16", "--kv-dtypes", "auto,float8_e4m3fn"]) == 0
+
+
+def test_tensor_core_decode_names_the_fa2_backend():
+    """Not "auto", which picks per plan by dtype: fp8 pages must stay on the FA2 kernels."""
+    from tests.support.fake_flashinfer import FakeFlashInfer
+
+    made = []
+
+    class Recording(FakeFlashInfer.BatchDecodeWithPagedKVCacheWrapper):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("backend"))
+            super().__init__(*args, **kwargs)
+
+    module = type("Rec", (FakeFlashInfer,), {"BatchDecodeWithPagedKVCacheWrapper": Recording})
+    backend = fake_backend()
+    backend._fi = module
+    for heads, kv_heads in ((32, 8), (4, 2)):  # group 4: tensor cores; group 2: CUDA cores
+        backend._new_decode(plan_key(AttentionLayerSpec(heads, kv_heads, 128, 0.1),
+                                     torch.bfloat16, torch.float8_e4m3fn))  # fmt: skip
+    assert made == ["fa2", None]

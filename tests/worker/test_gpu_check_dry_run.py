@@ -26,6 +26,7 @@ PHASES = [
     "fp8",
     "spec",
     "kvtier",
+    "fp8kv",
 ]
 
 
@@ -50,6 +51,17 @@ def test_dry_run_passes_every_phase_and_reports_each(tmp_path):
     assert res["kv"]["top_p_step"].startswith("ok")
     assert {"decode_eager_b1", "decode_graphs_b4"} <= set(res["decode"])
     assert "errors" not in res["decode"]
+    kv8 = res["fp8"]["kv_pages"]  # fp8 KV pages, on the stand-in flashinfer in the dry run
+    assert "errors" not in res["fp8"] and kv8["backend"] == "flashinfer"
+    assert kv8["modules"] == [
+        "decode-bfloat16-kv-float8_e4m3fn-d128", "prefill-fa2-bfloat16-kv-float8_e4m3fn-d128",
+        "prefill-fa2-paged-bfloat16-kv-float8_e4m3fn-d128",
+    ]  # fmt: skip
+    assert kv8["bytes_per_block"]["bfloat16"] == 2 * kv8["bytes_per_block"]["float8_e4m3fn"]
+    assert kv8["planned_kv_dtypes"] == ["bfloat16", "float8_e4m3fn"]
+    assert kv8["teacher_forced"]["positions"] == 8 * (2 + 32)
+    assert set(kv8["fp8_over_bf16"]) == {"eager_b1", "eager_b4", "graphs_b1", "graphs_b4"}
+    assert "greedy_agreement" in res["fp8"]  # the fp8-linears part ran after it
     assert res["spec"]["ngram"]["equal"] == res["spec"]["ngram"]["of"] == 16
     assert res["spec"]["draft"]["accepted"] > 0
     log = (tmp_path / "gpu_check.log").read_text()
@@ -89,3 +101,21 @@ def test_run_parts_returns_the_parts_that_raised(fails):
     res: dict = {}
     assert gpu_decode.run_parts({"p": part}, res) == (["p"] if fails else [])
     assert ("errors" in res) == fails
+
+
+def test_a_failing_fp8_part_is_recorded_and_fails_the_phase_after_the_other_ran(
+    tmp_path, monkeypatch
+):
+    import bench.gpu_fp8_kv as gpu_fp8_kv
+    import bench.gpu_phases as gpu_phases
+
+    def broken(model, dev, dry, save, res):
+        res["modules"] = ["measured before the error"]
+        raise RuntimeError("fp8 pages moved the reference token's log-prob by 2.4")
+
+    monkeypatch.setattr(gpu_fp8_kv, "fp8_kv_check", broken)
+    assert gpu_phases.main(["fp8", "--work", str(tmp_path), "--dry-run"]) == 1
+    res = json.loads((tmp_path / "fp8.json").read_text())
+    assert "log-prob by 2.4" in res["errors"]["kv_pages"]
+    assert res["kv_pages"]["modules"] == ["measured before the error"]
+    assert "greedy_agreement" in res and "linears" not in res["errors"]

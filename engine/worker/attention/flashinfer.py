@@ -14,6 +14,12 @@ that kind. Decode-only steps use `BatchDecodeWithPagedKVCacheWrapper`; steps wit
 chunks use `BatchPrefillWithPagedKVCacheWrapper` (causal, bottom-right aligned) for the whole
 batch. K/V are written by a scatter through the slot mapping before attention.
 
+fp8 pages (`cache.kv_dtype: fp8_e4m3`, `attention/kv_dtype.py`): the scatter casts K/V to
+e4m3 (scale 1, saturating) and writes the bytes; every plan carries the cache's dtype as
+`kv_data_type` and the query's as `q_data_type` (bf16/fp16), and `run()` gets no
+`k_scale`/`v_scale` (FlashInfer's default 1). The FA2 kernels are the same templates
+instantiated with an e4m3 KV type.
+
 CUDA graphs: `make_graph_state` builds decode wrappers with `use_cuda_graph=True` over fixed
 buffers for one padded batch size; `begin_graph_step` plans them (outside the graph, before
 capture and before every replay) and makes `forward` use them.
@@ -36,6 +42,7 @@ from engine.worker.attention.flashinfer_plan import (
     paged_kv_last_page_len,
     window_left,
 )
+from engine.worker.attention.kv_dtype import is_fp8, page_bytes, to_page_values
 
 logger = logging.getLogger(__name__)
 
@@ -252,12 +259,17 @@ class FlashInferBackend(AttentionBackend):
         return key.num_heads // key.num_kv_heads >= 4
 
     def _new_decode(self, key: PlanKey, **graph_buffers: torch.Tensor) -> Any:
+        """Tensor-core decode runs the prefill kernels of `prefill_backend` (FA2), named
+        rather than left to "auto", which would ask which backend fits each plan's dtypes."""
+        tensor_cores = self._use_tensor_cores(key)
+        kernel = {"backend": self.prefill_backend} if tensor_cores else {}
         return call_compat(
             self._fi.BatchDecodeWithPagedKVCacheWrapper,
             self._workspace,
             "NHD",
             use_cuda_graph=bool(graph_buffers),
-            use_tensor_cores=self._use_tensor_cores(key),
+            use_tensor_cores=tensor_cores,
+            **kernel,
             **graph_buffers,
         )
 
@@ -305,11 +317,13 @@ class FlashInferBackend(AttentionBackend):
         max_num_pages: int,
         specs: Sequence[AttentionLayerSpec],
         dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
     ) -> DecodeGraphState:
         """Decode wrappers with `use_cuda_graph=True` for a padded batch of `batch_size`.
 
-        `max_num_pages` bounds the pages of any batch this state will plan; the page-index
-        buffer is shared by all states, so make the largest batch size first.
+        `dtype`: the queries' (the model's); `kv_dtype`: the pages' (default `dtype`; fp8
+        pages). `max_num_pages` bounds the pages of any batch this state will plan; the
+        page-index buffer is shared by all states, so make the largest batch size first.
         """
         if self._graph_indices is None or self._graph_indices.numel() < max_num_pages:
             if self._graph_indices is not None:
@@ -317,7 +331,7 @@ class FlashInferBackend(AttentionBackend):
             self._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32, device=self.device)
         indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device)
         last = torch.ones(batch_size, dtype=torch.int32, device=self.device)
-        keys = {plan_key(s, dtype, dtype) for s in specs}
+        keys = {plan_key(s, dtype, kv_dtype or dtype) for s in specs}
         wrappers = {
             key: self._new_decode(
                 key,
@@ -348,6 +362,10 @@ class FlashInferBackend(AttentionBackend):
         self._graph = state
 
     # ---- forward ----------------------------------------------------------------------------
+    def runs(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """Queries of `q_dtype` over pages of `kv_dtype`: the same dtype, or fp8 pages."""
+        return q_dtype in self.cache_dtypes and (kv_dtype == q_dtype or is_fp8(kv_dtype))
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -362,9 +380,10 @@ class FlashInferBackend(AttentionBackend):
             self.begin_step(metadata)  # a caller that skipped begin_step still gets a plan
             step = self._step
         assert step is not None
-        if kv_cache.dtype not in self.cache_dtypes:
+        if not self.runs(q.dtype, kv_cache.dtype):
             raise FlashInferUnavailable(
-                f"FlashInfer runs fp16/bf16 caches, not {kv_cache.dtype}; use model.dtype "
+                f"FlashInfer runs fp16/bf16 caches (or fp8 e4m3 pages beside fp16/bf16 "
+                f"queries), not {kv_cache.dtype} pages with {q.dtype} queries; use model.dtype "
                 "auto/bfloat16 on the GPU, or the torch backend for float32"
             )
         write_kv(kv_cache, k, v, step_write_indices(step))
@@ -404,7 +423,10 @@ def write_kv(
     v: torch.Tensor,
     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> None:
-    """Scatter this step's K/V into the paged cache (NHD: [blocks, 2, block, heads, dim])."""
+    """Scatter this step's K/V into the paged cache (NHD: [blocks, 2, block, heads, dim]),
+    cast to the pages' dtype (fp8: e4m3 with scale 1, saturating; written as bytes)."""
     src, blocks, offsets = write
-    kv_cache[:, 0].index_put_((blocks, offsets), k.index_select(0, src).to(kv_cache.dtype))
-    kv_cache[:, 1].index_put_((blocks, offsets), v.index_select(0, src).to(kv_cache.dtype))
+    pages = page_bytes(kv_cache)
+    for i, x in ((0, k), (1, v)):
+        values = to_page_values(x.index_select(0, src), kv_cache.dtype)
+        pages[:, i].index_put_((blocks, offsets), values)

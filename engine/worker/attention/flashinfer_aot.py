@@ -9,6 +9,8 @@ encoding in the kernel, no sliding window, no soft cap:
                  with tensor cores (GQA group >= 4), which runs the same FA2 prefill kernels
 
 Windowed or soft-capped layers (Gemma 2/3, Mistral's window) still JIT on first use.
+fp8 KV pages (`cache.kv_dtype: fp8_e4m3`) are the same kernels instantiated with an e4m3
+KV type: `--kv-dtypes auto,float8_e4m3fn` adds them (named `...-kv-float8_e4m3fn-...`).
 
     python -m engine.worker.attention.flashinfer_aot --head-dims 64,128 --dtypes bfloat16
 
@@ -33,6 +35,11 @@ import torch
 
 PREFILL_BACKEND = "fa2"  # FA3 (Hopper) is ten heavy CUTLASS sm90 files: measured later
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {"auto": None, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -40,24 +47,38 @@ class KernelModule:
     """One FlashInfer JIT module: `kind` names the generator, the rest its arguments."""
 
     kind: str  # "decode" | "prefill-fa2" | "prefill-fa2-paged"
-    dtype: torch.dtype
+    dtype: torch.dtype  # the queries' and outputs' (the model's)
     head_dim: int
+    kv_dtype: torch.dtype | None = None  # the pages' (None: `dtype`; fp8 pages)
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{str(self.dtype).removeprefix('torch.')}-d{self.head_dim}"
+        kv = "" if self.kv_dtype in (None, self.dtype) else f"-kv-{_short(self.kv_dtype)}"
+        return f"{self.kind}-{_short(self.dtype)}{kv}-d{self.head_dim}"
 
     def args(self) -> tuple[Any, ...]:
         """(q, kv, o, idx dtypes, head_dim_qk, head_dim_vo, pos_encoding_mode=NONE,
         use_sliding_window, use_logits_soft_cap), as FlashInfer's wrappers pass them."""
         d = self.dtype
-        return (d, d, d, torch.int32, self.head_dim, self.head_dim, 0, False, False)
+        kv = self.kv_dtype or d
+        return (d, kv, d, torch.int32, self.head_dim, self.head_dim, 0, False, False)
 
 
-def required_modules(head_dims: list[int], dtypes: list[torch.dtype]) -> list[KernelModule]:
-    """What the backend loads for these head dims and cache dtypes (see the module doc)."""
+def required_modules(
+    head_dims: list[int],
+    dtypes: list[torch.dtype],
+    kv_dtypes: list[torch.dtype | None] | None = None,
+) -> list[KernelModule]:
+    """What the backend loads for these head dims, model dtypes and page dtypes (None: the
+    model's, the default; see the module doc)."""
     kinds = ("decode", "prefill-fa2", "prefill-fa2-paged")
-    return [KernelModule(k, d, h) for d in dtypes for h in head_dims for k in kinds]
+    return [
+        KernelModule(k, d, h, kv)
+        for kv in (kv_dtypes or [None])
+        for d in dtypes
+        for h in head_dims
+        for k in kinds
+    ]
 
 
 def jit_spec(fi_modules: Any, module: KernelModule) -> Any:
@@ -97,10 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--kv-dtypes", default="auto", help="auto (the model's) and/or float8_e4m3fn")
     ap.add_argument("--list", action="store_true", help="print the modules, build nothing")
     args = ap.parse_args(argv)
     modules = required_modules(
-        [int(h) for h in args.head_dims.split(",")], [_DTYPES[d] for d in args.dtypes.split(",")]
+        [int(h) for h in args.head_dims.split(",")],
+        [_DTYPES[d] for d in args.dtypes.split(",")],
+        [_KV_DTYPES[d] for d in args.kv_dtypes.split(",")],
     )
     if args.list:
         print("\n".join(m.name for m in modules))

@@ -17,6 +17,12 @@ private paged cache, with blocks handed out out of order:
 `long` spans more than two blocks and, for a sliding-window layer, more than the window, so
 the window and the page indirection are both exercised. Outputs must be within `TOLERANCE`
 of the torch backend's (bf16 rounding, not a different attention) and the caches equal.
+
+With fp8 pages (`kv_dtype`) the backend writes and reads e4m3; the reference runs in the
+model's dtype on the same values (the cache and the new K/V rounded through e4m3 first,
+exact in bf16/fp16), so the same tolerance holds, and the backend's pages must equal the
+reference's cache cast to e4m3, byte for byte. A kernel that read the bytes as anything but
+e4m3, or a write that cast them otherwise, fails here.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from engine.worker.attention.base import (
     AttentionLayerSpec,
     AttentionMetadata,
 )
+from engine.worker.attention.kv_dtype import page_bytes, to_fp8
 from engine.worker.attention.torch_paged import TorchPagedBackend
 
 # |probe - torch| <= ATOL + RTOL * |torch|, element-wise. Outputs are averages of N(0, 1)
@@ -49,22 +56,27 @@ def probe_attention(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_dtype: torch.dtype | None = None,
 ) -> None:
     """Run the decode and prefill probes for each distinct layer kind; raise on the first
-    failure (the backend's own error, or `AttentionProbeError`)."""
+    failure (the backend's own error, or `AttentionProbeError`). `dtype`: the model's (the
+    queries'); `kv_dtype`: the pages' (default `dtype`; fp8 pages)."""
     reference = TorchPagedBackend(native=False)
+    kv_dtype = kv_dtype or dtype
     for spec in dict.fromkeys(specs):  # distinct, in layer order
         long = max(2 * block_size + 1, (spec.sliding_window or 0) + block_size + 1)
         for name, q_lens, seq_lens in (
             ("decode", [1, 1], [long, 3]),
             ("causal prefill", [5, 3], [5, long]),
         ):
-            _compare(backend, reference, spec, name, q_lens, seq_lens, block_size, dtype, device)
+            _compare(backend, reference, spec, name, q_lens, seq_lens, block_size, dtype,
+                     kv_dtype, device)  # fmt: skip
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # an asynchronous launch error surfaces here, not later
 
 
-def _compare(backend, reference, spec, name, q_lens, seq_lens, block_size, dtype, device):
+def _compare(backend, reference, spec, name, q_lens, seq_lens, block_size, dtype, kv_dtype,
+             device):  # fmt: skip
     md, num_blocks = _probe_metadata(q_lens, seq_lens, block_size, device)
     gen = torch.Generator(device=device).manual_seed(0)
     T, H, Hkv, D = md.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -74,14 +86,17 @@ def _compare(backend, reference, spec, name, q_lens, seq_lens, block_size, dtype
 
     cache = randn(num_blocks, 2, block_size, Hkv, D)
     q, k, v = randn(T, H, D), randn(T, Hkv, D), randn(T, Hkv, D)
-    outs, caches = [], []
-    for b in (backend, reference):
-        caches.append(cache.clone())
+    pages = cache.to(kv_dtype) if kv_dtype == dtype else to_fp8(cache)
+    caches = [pages.clone(), pages.to(dtype, copy=True)]  # the reference reads their values
+    kv_in = [(k, v), (k, v) if kv_dtype == dtype else (to_fp8(k).to(dtype), to_fp8(v).to(dtype))]
+    outs = []
+    for b, c, (kk, vv) in zip((backend, reference), caches, kv_in, strict=True):
         b.begin_step(md)
-        outs.append(b.forward(q, k, v, caches[-1], md, spec).float())
+        outs.append(b.forward(q, kk, vv, c, md, spec).float())
     got, want = outs
     where = f"{name} probe for {spec}"
-    if not torch.equal(caches[0], caches[1]):
+    written = caches[1] if kv_dtype == dtype else to_fp8(caches[1])
+    if not torch.equal(page_bytes(caches[0]), page_bytes(written)):
         raise AttentionProbeError(f"{where}: the KV cache written differs from the torch backend's")
     err = (got - want).abs()
     bad = ~(err <= ATOL + RTOL * want.abs())  # NaN counts as bad

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from engine.config import EngineConfig
+from engine.worker.attention.kv_dtype import kv_cache_dtype
 from engine.worker.distributed.group import join_group, leave_group
 from engine.worker.distributed.transport import STOP, RingHandle, StepReader, decode_step
 from engine.worker.kv_sizing import KVGeometry, size_kv_cache
@@ -101,13 +102,15 @@ def _start(spec: WorkerSpec, conn: Connection) -> ModelRunner:
     loaded = load_model(config.model, device, tp, progress=False)
     conn.send(("loaded",))
     block_size = config.cache.block_size
+    kv_dtype = kv_cache_dtype(config.cache.kv_dtype, loaded.dtype)
     runner = ModelRunner(
-        loaded.model, device, loaded.dtype, block_size, config.runtime, pooling=loaded.pooling
-    )
+        loaded.model, device, loaded.dtype, block_size, config.runtime, pooling=loaded.pooling,
+        kv_dtype=kv_dtype,
+    )  # fmt: skip
     max_model_len = embedding_max_len(
         config.model, resolve_max_model_len(config.model, loaded.hf_config), loaded.pooling
     )
-    geom = KVGeometry.of(loaded.model, block_size, loaded.dtype)
+    geom = KVGeometry.of(loaded.model, block_size, kv_dtype)
     num_blocks = size_kv_cache(runner, config, geom, max_model_len, tp)
     runner.allocate_kv_cache(num_blocks)
     conn.send(("ready", num_blocks))

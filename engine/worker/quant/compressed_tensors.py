@@ -71,7 +71,11 @@ def read_config(qc: dict[str, Any]) -> Prequantized:
     if _non_empty(qc.get("transform_config")):
         refuse("transform_config", "is set: rotated (transformed) weights are not loaded")
     if qc.get("kv_cache_scheme") is not None:
-        refuse("kv_cache_scheme", "is set: an fp8 KV cache is not built (cache.kv_dtype)")
+        refuse(
+            "kv_cache_scheme",
+            "is set: its calibrated KV scales are not loaded (cache.kv_dtype: fp8_e4m3 "
+            "stores K/V with scale 1)",
+        )
     groups = qc.get("config_groups") or {}
     if not groups:
         refuse("config_groups", "is empty")

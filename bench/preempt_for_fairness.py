@@ -8,8 +8,10 @@ A flood: tenant A keeps `--flood-queue` requests waiting (prompt `--prompt-len` 
 admitted together, free their seats in waves. Tenant B (the same weight) sends one request
 of the same shape at random gaps (mean `--gap` steps) for `--steps` steps. A fake runner
 samples a token for every request whose tokens are all computed. Once per setting
-(`preempt_for_fairness` off; on; on with prefix caching off, the victim's worst case: all
-it computed is recomputed), the same arrivals:
+(`preempt_for_fairness` off; on swapping whenever due, `preempt_for_fairness_wait_steps`
+0; on with the default wait of 1 step for a seat that frees by itself; the same with
+prefix caching off, the victim's worst case: all it computed is recomputed), the same
+arrivals:
 
 - the starved tenant's cost: B's wait, steps from its arrival to its first scheduled step
   (p50, p99, max), and its requests' whole time in steps (p50, p99);
@@ -76,11 +78,16 @@ def b_arrivals(args: argparse.Namespace) -> list[int]:
 
 
 def run(
-    args: argparse.Namespace, preempt: bool, arrivals: list[int], prefix_caching: bool = True
+    args: argparse.Namespace,
+    preempt: bool,
+    arrivals: list[int],
+    prefix_caching: bool = True,
+    wait_steps: int = 1,
 ) -> dict[str, Any]:
     cfg = SchedulerConfig(
         max_num_seqs=args.seats, max_num_batched_tokens=args.budget, policy="fair",
         max_queue_len=100_000, preempt_for_fairness=preempt,
+        preempt_for_fairness_wait_steps=wait_steps,
     )  # fmt: skip
     kv = KVCacheManager(args.num_blocks, BLOCK_SIZE, enable_prefix_caching=prefix_caching)
     sched = Scheduler(cfg, kv, 4096)
@@ -135,6 +142,7 @@ def run(
     base = statistics.median(plain) if plain else 0
     return {
         "preempt_for_fairness": preempt,
+        "wait_steps": wait_steps if preempt else None,
         "prefix_caching": prefix_caching,
         "b_requests": len(b),
         "b_wait_steps_p50": pct(b_wait, 50),
@@ -170,6 +178,7 @@ def main() -> None:
     arrivals = b_arrivals(args)
     runs = {
         "off": run(args, False, arrivals),
+        "on_wait0": run(args, True, arrivals, wait_steps=0),
         "on": run(args, True, arrivals),
         "on_no_prefix_cache": run(args, True, arrivals, prefix_caching=False),
     }

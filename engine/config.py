@@ -188,6 +188,9 @@ class SchedulerConfig:
     # tenant furthest above its share to admit it (instead of waiting for a seat to free;
     # docs/tenancy.md has the measured trade-off). Nothing happens under fcfs and priority.
     preempt_for_fairness: bool = True
+    # ... once the waiting request has waited this many steps for a seat to free by itself
+    # (under a flood seats free every step or two, with no recompute). 0: swap at once.
+    preempt_for_fairness_wait_steps: int = 1
     # policy deadline: a waiting request whose remaining work (prefill chunks + output left
     # to its explicit max_tokens, at the recent step time) ends after its deadline is
     # admitted only when no request that can still make its own waits (it keeps its place;
@@ -216,6 +219,11 @@ class SchedulerConfig:
             f"must be one of {SCHEDULING_POLICIES}",
         )
         _require(self.max_queue_len >= 1, "scheduler.max_queue_len", "must be >= 1")
+        _require(
+            self.preempt_for_fairness_wait_steps >= 0,
+            "scheduler.preempt_for_fairness_wait_steps",
+            "must be >= 0",
+        )
         _require(self.max_n >= 1, "scheduler.max_n", "must be >= 1")
         for key in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids"):
             _require(getattr(self, key) >= 1, f"scheduler.{key}", "must be >= 1")

@@ -463,15 +463,20 @@ class Scheduler:
         request (`policy.tenant_slots.share_victim`) and admits the head in its seat. The
         victim is recomputed later (mostly from the prefix cache: its blocks stay cached
         until evicted); without this, the head waits for the next seat to free, which under
-        a flood of long requests can take a whole request's time.
+        a flood of long requests can take a whole request's time. The head swaps only once
+        it has waited `preempt_for_fairness_wait_steps` steps: a seat that frees by itself
+        in the meantime costs no recompute (under a flood seats free every step or two).
         """
         waiting, counter = self.waiting, self.policy.counter
         assert counter is not None
+        wait = self.config.preempt_for_fairness_wait_steps
         keep = {r.request_id for r, _ in step.admitted}
         while waiting and step.budget > 0:
             req = waiting.peek()
             if not tenants.admits(req) or req.fork_from is not None or not adapters.admits(req):
                 return
+            if self.num_steps_started - (req.times.queued_step or 0) <= wait:
+                return  # it waits this many steps for a seat that frees by itself first
             v = share_victim(
                 req, self.running, tenants, tenants.weights(waiting.backlog()), counter, keep
             )

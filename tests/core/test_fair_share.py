@@ -226,18 +226,23 @@ def test_fair_victim_is_the_most_served_tenants_last_request(policy, victim):
     assert preempted == {victim}
 
 
-def _seats_full_of_a(preempt: bool, deadlines: Container[str] = ()) -> Scheduler:
+def _seats_full_of_a(
+    preempt: bool,
+    deadlines: Container[str] = (),
+    out_len: dict[str, int] | None = None,
+    wait_steps: int = 1,
+) -> Scheduler:
     a, b = Tenant("a"), Tenant("b")
     sched = make_scheduler(
         num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, policy="fair",
-        preempt_for_fairness=preempt,
+        preempt_for_fairness=preempt, preempt_for_fairness_wait_steps=wait_steps,
     )  # fmt: skip
     for i in range(6):
         rid = f"a{i}"
         sched.add_request(
             make_request(
-                rid, 8, 40, arrival=float(i), tenant=a, ignore_eos=True,
-                deadline=1e9 if rid in deadlines else None,
+                rid, 8, (out_len or {}).get(rid, 40), arrival=float(i), tenant=a,
+                ignore_eos=True, deadline=1e9 if rid in deadlines else None,
             )
         )  # fmt: skip
     step(sched)
@@ -253,7 +258,7 @@ def test_seats_held_by_one_tenant_make_another_wait_without_preempt_for_fairness
 
 
 def test_preempt_for_fairness_swaps_an_over_share_request_for_the_waiting_tenant():
-    sched = _seats_full_of_a(preempt=True)
+    sched = _seats_full_of_a(preempt=True, wait_steps=0)
     so, _ = step(sched)
     assert so.preempted_req_ids == {"a3"}  # a's last admitted (largest arrival)
     assert [d.request_id for d in so.scheduled_new_reqs] == ["b0"]
@@ -263,13 +268,35 @@ def test_preempt_for_fairness_swaps_an_over_share_request_for_the_waiting_tenant
     assert not so.preempted_req_ids
 
 
+def test_the_waiting_request_swaps_only_after_its_wait_steps():
+    """With wait 1, b0 gets one step for a seat to free by itself (none does: every a has
+    38 tokens left) and is swapped in at its second; with 2 at its third; with 0 at once."""
+    for wait, swap_step in ((0, 1), (1, 2), (2, 3)):
+        sched = _seats_full_of_a(preempt=True, wait_steps=wait)
+        for k in range(1, 4):
+            so, _ = step(sched)
+            assert bool(so.preempted_req_ids) == (k == swap_step), (wait, k)
+            assert ("b0" in so.num_scheduled_tokens) == (k >= swap_step), (wait, k)
+
+
+def test_a_seat_that_frees_in_the_wait_costs_no_swap():
+    """a1 ends with the first step after b0 arrives: b0 takes its seat in the second, and
+    nothing is preempted."""
+    sched = _seats_full_of_a(preempt=True, out_len={"a1": 3}, wait_steps=1)
+    so, _ = step(sched)
+    assert not so.preempted_req_ids and "b0" not in so.num_scheduled_tokens
+    assert sched.get_request("a1") is None  # finished and gone
+    so, _ = step(sched)
+    assert "b0" in so.num_scheduled_tokens and not so.preempted_req_ids
+
+
 def test_preempt_for_fairness_never_takes_a_request_with_a_deadline():
     """Recompute could make it miss its deadline: the next request without one goes, and
     with deadlines on every running request of the over-share tenant nothing is swapped."""
-    sched = _seats_full_of_a(preempt=True, deadlines={"a3"})
+    sched = _seats_full_of_a(preempt=True, deadlines={"a3"}, wait_steps=0)
     so, _ = step(sched)
     assert so.preempted_req_ids == {"a2"}
-    sched = _seats_full_of_a(preempt=True, deadlines={"a0", "a1", "a2", "a3"})
+    sched = _seats_full_of_a(preempt=True, deadlines={"a0", "a1", "a2", "a3"}, wait_steps=0)
     so, _ = step(sched)
     assert not so.preempted_req_ids and "b0" not in so.num_scheduled_tokens
 

@@ -16,7 +16,8 @@ tenants running or waiting. Two rules read it:
   under the plain lowest-counter rule: still the VTC bound, with `max_num_seqs + 1`
   requests in it instead of `max_num_seqs`;
 - `scheduler.preempt_for_fairness` (`share_victim`): with every seat held, the same tenant
-  may take a seat from one over its share that is ahead of it on that counter.
+  may take a seat from one over its share that is ahead of it on that counter, once it
+  has waited `preempt_for_fairness_wait_steps` steps for a seat to free by itself.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.worker.quant.blocks import BLOCK, BlockTensor, pack_q4
-from engine.worker.quant.prequantized import Prequantized
+from engine.worker.quant.prequantized import Prequantized, modules_marked
 
 _LEAVES = frozenset({"qweight", "qzeros", "scales", "g_idx"})
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -77,13 +77,8 @@ def read_config(qc: dict[str, Any]) -> Prequantized:
 
 
 def quantized_modules(names: set[str]) -> dict[str, frozenset[str]]:
-    modules = {n.rpartition(".")[0] for n in names if n.endswith(".qweight")}
-    out: dict[str, set[str]] = {m: set() for m in modules}
-    for n in names:
-        module, _, leaf = n.rpartition(".")
-        if module in out and leaf in _LEAVES:
-            out[module].add(leaf)
-    return {m: frozenset(leaves) for m, leaves in out.items()}
+    """Module name -> the tensor leaves it carries, for every module with a `qweight`."""
+    return modules_marked(names, "qweight", _LEAVES)
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:

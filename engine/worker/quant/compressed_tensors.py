@@ -33,7 +33,7 @@ import torch
 from engine.config import ConfigError
 from engine.worker.quant.blocks import BLOCK, BlockTensor, pack_q4, pack_q8
 from engine.worker.quant.fp8_rows import Fp8Rows
-from engine.worker.quant.prequantized import Prequantized
+from engine.worker.quant.prequantized import Prequantized, modules_marked
 
 METHOD = "compressed-tensors"
 WEIGHT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
@@ -164,14 +164,8 @@ def _describe(w: dict[str, Any], fmt: str) -> str:
 
 
 def quantized_modules(names: set[str]) -> dict[str, frozenset[str]]:
-    """Module name -> the tensor leaves it carries, for every module with a weight scale."""
-    modules = {n.rpartition(".")[0] for n in names if n.endswith(".weight_scale")}
-    out: dict[str, set[str]] = {m: set() for m in modules}
-    for n in names:
-        module, _, leaf = n.rpartition(".")
-        if module in out and leaf in _LEAVES:
-            out[module].add(leaf)
-    return {m: frozenset(leaves) for m, leaves in out.items()}
+    """Module name -> the tensor leaves it carries, for every module with a `weight_scale`."""
+    return modules_marked(names, "weight_scale", _LEAVES)
 
 
 def convert(module: str, t: dict[str, torch.Tensor]) -> BlockTensor | Fp8Rows:

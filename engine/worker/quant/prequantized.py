@@ -68,3 +68,17 @@ def group_quantized(
     for module, got in pending.items():
         missing = ", ".join(sorted(modules[module] - got.keys()))
         raise ConfigError("model.path", f"{source.method} tensors of {module}: {missing} not read")
+
+
+def modules_marked(
+    names: set[str], marker: str, leaves: frozenset[str]
+) -> dict[str, frozenset[str]]:
+    """Module name -> its tensor leaves among `leaves`, for every module that carries a
+    `marker` leaf (a format's sign that the module is quantized)."""
+    modules = {n.rpartition(".")[0] for n in names if n.endswith("." + marker)}
+    out: dict[str, set[str]] = {m: set() for m in modules}
+    for n in names:
+        module, _, leaf = n.rpartition(".")
+        if module in out and leaf in leaves:
+            out[module].add(leaf)
+    return {m: frozenset(found) for m, found in out.items()}

@@ -49,7 +49,13 @@ from engine.worker.attention.kv_dtype import kv_cache_dtype
 from engine.worker.distributed.group import threads_per_rank
 from engine.worker.distributed.pool import WorkerPool
 from engine.worker.kv_sizing import KVGeometry, size_kv_cache
-from engine.worker.kv_tier.setup import open_disk_store, plan_kv_tiers, start_kv_tiers
+from engine.worker.kv_tier.setup import (
+    RankTiers,
+    open_disk_store,
+    plan_kv_tiers,
+    start_kv_tiers,
+)
+from engine.worker.kv_tier.tp_tier_worker import ShardedTierWorker
 from engine.worker.lora.model_lora import check_lora_runtime
 from engine.worker.lora.registry import LoRARegistry
 from engine.worker.models.loader import load_model, resolve_max_model_len
@@ -208,9 +214,12 @@ class LLMEngine:
         self.kv_tier: KVTierManager | None = None
         self.kv_tier_worker = None
         if tiers.host_slots or disk is not None:
+            ranks = None
+            if self.tp_workers is not None:  # every rank moves its share of each block
+                ranks = RankTiers(self.tp_workers.tier_listings, self.tp_workers.tier_conns)
             self.kv_tier, self.kv_tier_worker = start_kv_tiers(
                 tiers, self.kv_manager, self.runner.kv_caches, self.device, disk,
-                config.cache.disk_tier_rescan_s,
+                config.cache.disk_tier_rescan_s, ranks,
             )  # fmt: skip
         self.scheduler = Scheduler(
             config.scheduler,
@@ -266,7 +275,7 @@ class LLMEngine:
         before = tier.stats().bytes_written.get("disk", 0)
         queued = tier.flush_pool()
         while tier.busy:
-            worker.submit(*tier.take_moves())
+            self._submit_moves(*tier.take_moves())
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -281,6 +290,21 @@ class LLMEngine:
             written, queued, not tier.busy,
         )  # fmt: skip
         return written
+
+    def _submit_moves(self, saves: list, loads: list, deletes: list) -> None:
+        """Tier moves outside a step (the drain's flush). Under tensor parallelism every
+        rank must carry them out on its share: they go to the workers as a step that
+        computes nothing."""
+        worker = self.kv_tier_worker
+        assert worker is not None
+        if self.tp_workers is None:
+            worker.submit(saves, loads, deletes)
+            return
+        if isinstance(worker, ShardedTierWorker):
+            deletes = deletes + worker.take_orphans()
+        so = SchedulerOutput(kv_saves=saves, kv_loads=loads, kv_deletes=deletes)
+        worker.submit(saves, loads, deletes)
+        self.tp_workers.run_step(self.runner.execute, so)
 
     @property
     def embedding_size(self) -> int | None:
@@ -478,6 +502,8 @@ class LLMEngine:
                 self.scheduler.apply_kv_report(report)
         so = self._step_output = self.scheduler.schedule()
         if tier is not None:  # off the engine thread: returns at once
+            if isinstance(tier, ShardedTierWorker):  # files only some ranks could write
+                so.kv_deletes.extend(tier.take_orphans())
             tier.submit(so.kv_saves, so.kv_loads, so.kv_deletes)
         if self.tp_workers is None:
             runner_out = self.runner.execute(so)

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.core.step_io import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.core.step_io import CachedRequestData, KVMove, NewRequestData, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from engine.worker.distributed.transport import (
     STOP,
@@ -30,11 +30,14 @@ def _step() -> SchedulerOutput:
     return SchedulerOutput(
         [new], cached, {"a": 2, "b": 3, "c": 1}, 6, {"d"}, {"d"}, [(5, 6)],
         spec_token_ids={"b": [4, 5]}, num_lookahead_tokens={"b": 2},
+        kv_saves=[KVMove(b"h1", 8, 2, True), KVMove(b"h2", 9, to_disk=True)],
+        kv_loads=[KVMove(b"h3", 10)], kv_deletes=[b"h4"],
     )  # fmt: skip
 
 
 def test_a_step_round_trips_without_its_grammar_and_with_the_sampled_tokens() -> None:
-    """Proposals (and the kept blocks after a rejection) reach every rank in the message."""
+    """Proposals (and the kept blocks after a rejection) and the KV tier's moves (every
+    rank saves and loads its share of the blocks) reach every rank in the message."""
     so = _step()
     msg = decode_step(encode_step(so, ["b", "c"], [[11], [12, 13]]))
     assert msg.so == replace(
@@ -44,6 +47,7 @@ def test_a_step_round_trips_without_its_grammar_and_with_the_sampled_tokens() ->
     assert msg.so.spec_token_ids == {"b": [4, 5]} and msg.so.scheduled_cached_reqs[0] == (
         CachedRequestData("b", [7], [(0, 5)], 12, 3)
     )
+    assert msg.so.kv_saves[0] == KVMove(b"h1", 8, 2, True) and len(msg.so.kv_saves) == 2
     assert so.scheduled_new_reqs[0].grammar == "G"  # the engine's own object is untouched
 
 

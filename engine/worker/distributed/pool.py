@@ -85,6 +85,9 @@ class WorkerPool:
         self.fatal: str | None = None  # why no step can run any more
         self._procs: list[Any] = []  # multiprocessing Process, rank r at index r - 1
         self._conns: list[Connection] = []
+        # Each worker's KV tier reports, and its disk tier's listing at start (rank 1 first).
+        self.tier_conns: list[Connection] = []
+        self.tier_listings: list[list[tuple[bytes, int, float]]] = []
         self._rings: list[StepWriter] = []  # each worker's step messages
         self._store: Any = None
         self._lock = threading.Lock()
@@ -130,19 +133,22 @@ class WorkerPool:
         atexit.register(self.close)
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe(duplex=True)
+            tier_in, tier_out = ctx.Pipe(duplex=False)  # its KV tier's reports
             ring = StepWriter(ctx, ours)
             self._rings.append(ring)
             spec = WorkerSpec(
                 config, rank, str(rank_device(device, rank)), self._store.port, threads
             )
             proc = ctx.Process(
-                target=worker_main, args=(spec, ring.handle, theirs), name=f"tp-rank{rank}",
-                daemon=True,
+                target=worker_main, args=(spec, ring.handle, theirs, tier_out),
+                name=f"tp-rank{rank}", daemon=True,
             )  # fmt: skip
             proc.start()
             theirs.close()
+            tier_out.close()
             self._procs.append(proc)
             self._conns.append(ours)
+            self.tier_conns.append(tier_in)
         logger.info(
             "tensor-parallel workers started",
             extra={"fields": {"size": self.size, "pids": self.pids, "threads_per_rank": threads}},
@@ -166,6 +172,7 @@ class WorkerPool:
                 raise RuntimeError(
                     f"tensor-parallel rank {rank} sized {msg[1]} KV blocks, rank 0 {num_blocks}"
                 )
+            self.tier_listings.append(msg[2])
         # From here on a death is watched for between and during steps. (While starting,
         # `_await` waits on the sentinels itself, and a collective with a dead peer fails.)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
@@ -312,7 +319,7 @@ class WorkerPool:
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
-        for conn in self._conns:
+        for conn in self._conns + self.tier_conns:
             conn.close()
         for ring in self._rings:
             ring.close()

@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
-from engine.core.step_io import CachedRequestData, SchedulerOutput
+from engine.core.step_io import CachedRequestData, KVMove, SchedulerOutput
 
 STOP = b""
 RING_SLOTS = 8
@@ -76,6 +76,9 @@ def encode_step(so: SchedulerOutput, sampled_req_ids: list[str], sampled: list[l
         so.block_copies,
         so.spec_token_ids,
         so.num_lookahead_tokens,
+        [_move_row(m) for m in so.kv_saves],
+        [_move_row(m) for m in so.kv_loads],
+        so.kv_deletes,
         sampled_req_ids,
         sampled,
     )
@@ -85,16 +88,24 @@ def encode_step(so: SchedulerOutput, sampled_req_ids: list[str], sampled: list[l
 def decode_step(data: bytes) -> StepMessage:
     (
         new, ids, new_blocks, replaced, computed, kept, scheduled, total, finished, preempted,
-        copies, spec, lookahead, sampled_ids, sampled,
+        copies, spec, lookahead, saves, loads, deletes, sampled_ids, sampled,
     ) = pickle.loads(data)  # fmt: skip
     cached = [
         CachedRequestData(*row)
         for row in zip(ids, new_blocks, replaced, computed, kept, strict=True)
     ]
     so = SchedulerOutput(
-        new, cached, scheduled, total, finished, preempted, copies, spec, lookahead
-    )
+        new, cached, scheduled, total, finished, preempted, copies, spec, lookahead,
+        kv_saves=[KVMove(*row) for row in saves], kv_loads=[KVMove(*row) for row in loads],
+        kv_deletes=deletes,
+    )  # fmt: skip
     return StepMessage(so, sampled_ids, sampled)
+
+
+def _move_row(m: KVMove) -> tuple[bytes, int, int, bool]:
+    """A KV tier move as a plain tuple: every rank carries out the same moves on its share
+    of the blocks (engine/worker/kv_tier/tp_tier_worker.py)."""
+    return (m.block_hash, m.block_id, m.host_slot, m.to_disk)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ from engine.worker.attention.kv_dtype import kv_cache_dtype
 from engine.worker.distributed.group import join_group, leave_group
 from engine.worker.distributed.transport import STOP, RingHandle, StepReader, decode_step
 from engine.worker.kv_sizing import KVGeometry, size_kv_cache
+from engine.worker.kv_tier.setup import plan_kv_tiers, start_rank_tier
+from engine.worker.kv_tier.tier_worker import KVTierWorker
+from engine.worker.kv_tier.tp_tier_worker import tier_report_sender
 from engine.worker.models.loader import load_model, resolve_max_model_len
 from engine.worker.pooling.spec import embedding_max_len
 from engine.worker.runner import ModelRunner
@@ -48,16 +51,21 @@ class WorkerSpec:
     num_threads: int | None
 
 
-def worker_main(spec: WorkerSpec, ring: RingHandle, conn: Connection) -> None:
+def worker_main(
+    spec: WorkerSpec, ring: RingHandle, conn: Connection, tier_conn: Connection
+) -> None:
     """Process entry point. Messages to rank 0: ("hello",), ("loaded",), ("ready",
-    num_blocks), or ("error", traceback text) before it exits."""
+    num_blocks, its KV disk tier's listing), or ("error", traceback text) before it exits.
+    `tier_conn` carries its KV tier's reports (engine/worker/kv_tier/tp_tier_worker.py)."""
     _quiet_progress_bars()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent()
     try:
-        runner = _start(spec, conn)
-        _run_steps(runner, StepReader(ring, conn))
+        runner, tier = _start(spec, conn)
+        if tier is not None:
+            tier_report_sender(tier, tier_conn)
+        _run_steps(runner, tier, StepReader(ring, conn))
     except BaseException:
         text = traceback.format_exc()
         logger.error("tensor-parallel rank %d failed:\n%s", spec.rank, text)
@@ -90,7 +98,7 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
-def _start(spec: WorkerSpec, conn: Connection) -> ModelRunner:
+def _start(spec: WorkerSpec, conn: Connection) -> tuple[ModelRunner, KVTierWorker | None]:
     config = spec.config
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
@@ -112,18 +120,29 @@ def _start(spec: WorkerSpec, conn: Connection) -> ModelRunner:
     )
     geom = KVGeometry.of(loaded.model, block_size, kv_dtype)
     num_blocks = size_kv_cache(runner, config, geom, max_model_len, tp)
+    plan = plan_kv_tiers(config.cache, geom.bytes_per_block, device, size)
+    num_blocks += plan.extra_pool_blocks  # as rank 0 does (the CPU's host_tier_gib)
     runner.allocate_kv_cache(num_blocks)
-    conn.send(("ready", num_blocks))
-    return runner
+    tier, listing = start_rank_tier(
+        config, geom.bytes_per_block, runner.kv_caches, device, loaded.model_dir, loaded.dtype,
+        (geom.num_layers, geom.num_kv_heads, geom.head_dim), spec.rank,
+    )  # fmt: skip
+    conn.send(("ready", num_blocks, listing))
+    return runner, tier
 
 
-def _run_steps(runner: ModelRunner, steps: StepReader) -> None:
-    """Runs the steps rank 0 sends until told to stop."""
+def _run_steps(runner: ModelRunner, tier: KVTierWorker | None, steps: StepReader) -> None:
+    """Runs the steps rank 0 sends until told to stop; the step's KV tier moves are handed
+    to this rank's tier first, as rank 0 does with its own."""
     while True:
         data = steps.recv()
         if data == STOP:
             steps.close()
+            if tier is not None:
+                tier.close()
             return
         msg = decode_step(data)
+        if tier is not None:
+            tier.submit(msg.so.kv_saves, msg.so.kv_loads, msg.so.kv_deletes)
         runner.append_sampled(msg.sampled_req_ids, msg.sampled_token_ids)
         runner.execute(msg.so)

@@ -206,7 +206,9 @@ class DiskStore:
 
     def other_fingerprints(self) -> dict[str, list[str]]:
         """The root's other fingerprint directories, each with the fields that differ from
-        ours (from its fingerprint.json; ["unknown"] when unreadable). Not ours to read."""
+        ours (from its fingerprint.json; ["unknown"] when unreadable). Not ours to read.
+        The other tensor-parallel ranks of this very engine (only `tensor_parallel_rank`
+        differs) are not "other": they are left out."""
         out: dict[str, list[str]] = {}
         try:
             entries = self.ops.scandir(str(self.root))
@@ -221,7 +223,8 @@ class DiskStore:
                               if self.fields.get(k) != theirs.get(k))  # fmt: skip
             except (OSError, ValueError):
                 diff = ["unknown"]
-            out[entry.name] = diff
+            if diff != ["tensor_parallel_rank"]:
+                out[entry.name] = diff
         return out
 
     # ---- files ---------------------------------------------------------------------------

@@ -35,7 +35,9 @@ from engine.worker.kv_tier.fingerprint import (
     weights_identity,
 )
 from engine.worker.kv_tier.host_buffers import HostTierSlots
+from engine.worker.kv_tier.rank_reports import RankReportMerger
 from engine.worker.kv_tier.tier_worker import KVTierWorker
+from engine.worker.kv_tier.tp_tier_worker import ShardedTierWorker
 
 logger = logging.getLogger(__name__)
 
@@ -60,30 +62,27 @@ class TierPlan:
 def plan_kv_tiers(
     cache: CacheConfig, block_bytes: int, device: torch.device, tp_size: int = 1
 ) -> TierPlan:
-    """The tiers' sizes; `ConfigError` naming the key for a tier below one block."""
-    host_bytes = int(cache.host_tier_gib * _GIB)
+    """The tiers' sizes; `ConfigError` naming the key for a tier below one block.
+
+    Under tensor parallelism `block_bytes` is one rank's share of a block and the configured
+    GiB are the whole tier's: each rank gets 1/tp_size of them, so a block counts the same
+    as with one rank and the directory (every rank's subdirectory) stays within its bytes."""
+    host_bytes = int(cache.host_tier_gib * _GIB) // tp_size
     host_blocks = host_bytes // block_bytes
     if cache.host_tier_gib > 0 and host_blocks < 1:
         raise ConfigError(
             "cache.host_tier_gib",
-            f"{cache.host_tier_gib} GiB holds no KV block ({block_bytes} bytes each)",
+            f"{cache.host_tier_gib} GiB holds no KV block ({block_bytes * tp_size} bytes each)",
         )
     disk_bytes = 0
     if cache.disk_tier_dir is not None:
-        disk_bytes = int(cache.disk_tier_gib * _GIB)
+        disk_bytes = int(cache.disk_tier_gib * _GIB) // tp_size
         if disk_bytes < file_bytes(block_bytes):
             raise ConfigError(
                 "cache.disk_tier_gib",
                 f"{cache.disk_tier_gib} GiB holds no KV block file "
-                f"({file_bytes(block_bytes)} bytes each)",
+                f"({file_bytes(block_bytes) * tp_size} bytes each, over {tp_size} rank(s))",
             )
-    if tp_size > 1 and (host_blocks or cache.disk_tier_dir is not None):
-        key = "cache.disk_tier_dir" if cache.disk_tier_dir is not None else "cache.host_tier_gib"
-        raise ConfigError(
-            key,
-            "the KV tiers do not run under tensor parallelism yet "
-            f"(parallel.tensor_parallel_size={tp_size})",
-        )
     if device.type != "cuda":
         return TierPlan(block_bytes, host_blocks, 0, cache.disk_tier_dir, disk_bytes)
     return TierPlan(block_bytes, 0, host_blocks, cache.disk_tier_dir, disk_bytes)
@@ -130,14 +129,13 @@ def start_kv_tiers(
     device: torch.device,
     disk: DiskStore | None,
     rescan_s: float | None,
-) -> tuple[KVTierManager, KVTierWorker]:
-    """The core's manager and the worker's threads, the disk index rebuilt from its listing."""
+    ranks: RankTiers | None = None,
+) -> tuple[KVTierManager, KVTierWorker | ShardedTierWorker]:
+    """The core's manager and the worker's threads, the disk index rebuilt from its listing.
+    `ranks`: under tensor parallelism, the worker ranks' listings and report pipes; the
+    index then takes the blocks whose files every rank holds."""
     copier = BlockCopier(kv_caches, device)
-    host = None
-    if plan.host_slots:
-        host = HostTierSlots(
-            plan.host_slots, copier.block_shape, copier.dtype, device.type == "cuda"
-        )
+    host = _host_slots(plan, copier)
     sizes = TierSizes(
         host_slots=plan.host_slots,
         host_block_bytes=plan.block_bytes,
@@ -145,18 +143,27 @@ def start_kv_tiers(
         disk_file_bytes=file_bytes(plan.block_bytes),
     )
     manager = KVTierManager(kv, sizes)
+    merger = RankReportMerger(1 + len(ranks.listings)) if ranks is not None else None
     known: set[bytes] = set()
+    partial: list[bytes] = []
     if disk is not None:
         t0 = time.perf_counter()
-        listing = disk.scan()
-        taken = manager.load_index([(e.block_hash, e.nbytes, e.mtime) for e in listing])
-        known = {e.block_hash for e in listing}
+        listing = [(e.block_hash, e.nbytes, e.mtime) for e in disk.scan()]
+        known = {h for h, _, _ in listing}
+        if merger is not None:
+            listing, partial = merger.seed_listings([listing, *ranks.listings])
+        taken = manager.load_index(listing)
         others = disk.other_fingerprints()
         logger.info(
             "kv disk tier ready dir=%s files=%d indexed=%d capacity_gib=%.2f index_s=%.3f",
-            disk.dir, len(listing), taken, plan.disk_capacity_bytes / _GIB,
+            disk.dir, len(known), taken, plan.disk_capacity_bytes / _GIB,
             time.perf_counter() - t0,
         )  # fmt: skip
+        if partial:
+            logger.info(
+                "kv disk tier: %d blocks have files on some tensor-parallel ranks only (a "
+                "save cut short); deleting them", len(partial),
+            )  # fmt: skip
         if others:
             logger.info(
                 "kv disk tier ignores %d other fingerprint directories under %s (another "
@@ -165,4 +172,49 @@ def start_kv_tiers(
                 "; ".join(f"{d} differs in {','.join(k)}" for d, k in sorted(others.items())),
             )  # fmt: skip
     worker = KVTierWorker(copier, host, disk, rescan_s=rescan_s, known_files=known)
-    return manager, worker
+    if ranks is None:
+        return manager, worker
+    return manager, ShardedTierWorker(worker, ranks.conns, merger)
+
+
+@dataclass
+class RankTiers:
+    """What rank 0 needs of the worker ranks' tiers: each one's disk listing (empty without
+    a disk tier) and the pipe its reports arrive on, rank 1 first."""
+
+    listings: list[list[tuple[bytes, int, float]]]
+    conns: list
+
+
+def start_rank_tier(
+    config: EngineConfig,
+    block_bytes: int,
+    kv_caches: list[torch.Tensor],
+    device: torch.device,
+    model_dir: Path,
+    run_dtype: torch.dtype,
+    geometry: tuple[int, int, int],
+    rank: int,
+) -> tuple[KVTierWorker | None, list[tuple[bytes, int, float]]]:
+    """A tensor-parallel worker rank's tier over its share of the blocks, and its disk
+    listing for rank 0's index (None and [] when the tiers are off)."""
+    plan = plan_kv_tiers(config.cache, block_bytes, device, config.parallel.tensor_parallel_size)
+    if not (plan.host_slots or plan.disk_dir is not None):
+        return None, []
+    disk = None
+    listing: list[tuple[bytes, int, float]] = []
+    if plan.disk_dir is not None:
+        disk = open_disk_store(config, plan, model_dir, run_dtype, geometry, tp_rank=rank)
+        listing = [(e.block_hash, e.nbytes, e.mtime) for e in disk.scan()]
+    copier = BlockCopier(kv_caches, device)
+    worker = KVTierWorker(
+        copier, _host_slots(plan, copier), disk, rescan_s=config.cache.disk_tier_rescan_s,
+        known_files={h for h, _, _ in listing},
+    )  # fmt: skip
+    return worker, listing
+
+
+def _host_slots(plan: TierPlan, copier: BlockCopier) -> HostTierSlots | None:
+    if not plan.host_slots:
+        return None
+    return HostTierSlots(plan.host_slots, copier.block_shape, copier.dtype, copier.cuda)

@@ -129,6 +129,15 @@ class KVTierWorker:
             report, self._report = self._report, KVTierReport()
         return report if report else None
 
+    def wait_report(self) -> KVTierReport:
+        """Blocks until something finished, then takes it (a tensor-parallel worker rank
+        forwards its reports to rank 0 this way)."""
+        with self._cond:
+            while not self._report:
+                self._cond.wait()
+            report, self._report = self._report, KVTierReport()
+        return report
+
     def has_report(self) -> bool:
         """Something finished that the core has not taken in yet."""
         with self._lock:

@@ -94,8 +94,8 @@ class CompiledModel(nn.Module):
             proxy = self._proxies[id(backend)] = EagerAttention(backend)
         return proxy
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor:
+        return self.model.compute_logits(hidden, keep_dtype)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -324,7 +324,11 @@ class ModelRunner:
             return out
         self._prompt_logprobs(inputs, hidden, out)
         if inputs.sample_rows:
-            logits = self.model.compute_logits(_sample_hidden(hidden, inputs))
+            # Kept in the model's dtype: the sampler widens them when it needs more than a
+            # greedy argmax (a draft model's rejection test reads them in fp32).
+            logits = self.model.compute_logits(
+                _sample_hidden(hidden, inputs), keep_dtype=self.proposer is None
+            )
             if logits is None:  # a tensor-parallel worker: rank 0 got the logits and samples
                 return out
             self._sample(inputs, logits, out)

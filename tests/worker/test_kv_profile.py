@@ -21,9 +21,9 @@ class Recorder:
         model, sampler = runner.model, runner.sampler
         self._undo = (runner, model, model.compute_logits, sampler)
 
-        def compute_logits(hidden):
+        def compute_logits(hidden, keep_dtype=False):
             self.logit_rows.append(hidden.shape[0])
-            return type(model).compute_logits(model, hidden)
+            return type(model).compute_logits(model, hidden, keep_dtype)
 
         class _Sampler(Sampler):
             def __call__(_, logits, rows, grammar_bitmask=None):

@@ -108,6 +108,22 @@ def test_bf16_queries_and_output(num_rows):
           q_dtype=torch.bfloat16)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "D,H,Hkv,block,window",
+    [(64, 8, 8, 16, None), (128, 12, 4, 32, 23), (128, 8, 1, 64, None), (256, 4, 2, 4, 9),
+     (96, 6, 2, 16, None), (80, 6, 2, 16, None), (64, 6, 2, 1, 5)],
+)  # fmt: skip
+def test_bf16_dot_path_shapes(D, H, Hkv, block, window):
+    """With AVX512-BF16 a bf16 cache and bf16 queries with D a multiple of 32 take
+    VDPBF16PS scores and 16-token reduction trees (csrc/paged_attention.c): head dims,
+    groups (odd ones too), blocks shorter and longer than 16 tokens, windows that start
+    mid-block. D = 80 is no multiple of 32: the scalar path, beside it. Without the
+    instructions every case runs the scalar path."""
+    lens = [1, 15, 16, 17, 31, 47, 70]
+    _case(lens, H, Hkv, D, block=block, dtype=torch.bfloat16, window=window, seed=D + block,
+          spare_rows=1, q_dtype=torch.bfloat16)  # fmt: skip
+
+
 def test_long_context_online_softmax_is_stable():
     """Scores that grow along the sequence make the running max move every block."""
     gen = torch.Generator().manual_seed(3)

@@ -328,3 +328,25 @@ def test_a_row_left_with_only_minus_inf_logits_by_the_model_fails_too():
     logits = torch.tensor([[5.0, NEG_INF, NEG_INF, 0.5]])
     out = Sampler()(logits, [row(temperature=1.0, allowed_token_ids=[1, 2], seed=3)])
     assert out.failed and out.token_ids == [-1]
+
+
+def test_bf16_logits_greedy_argmax_reads_them_in_place_with_numpys_rules():
+    """A bf16 model's logits reach the sampler as they are (runner: keep_dtype): the greedy
+    argmax (csrc/fused_ops.c) must pick what NumPy's argmax picks on their exact fp32
+    widening: the first index on ties, the first NaN, -0 equal to +0."""
+    from engine.worker.sampler import row_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 49152, generator=gen).bfloat16()
+    x[0, 40000] = x[0, 7] = x[0].max() + 1  # a tie: 7 wins
+    x[1, 123] = float("nan")
+    x[1, 9000] = float("nan")
+    special = torch.tensor([[-0.0, 0.0, -1.0], [NEG_INF] * 3, [NEG_INF, 1.0, 1.0]]).bfloat16()
+    for t in (x, special, x[:, :1000]):  # the last: a row stride past the row length
+        want = torch.from_numpy(t.float().numpy().argmax(axis=-1))
+        assert torch.equal(row_argmax(t), want)
+    assert row_argmax(x)[0] == 7 and row_argmax(x)[1] == 123
+    greedy = dict(temperature=0.0)
+    out = Sampler()(x[:3], [row(**greedy), row(logprobs=1, **greedy), row(**greedy)])
+    assert out.token_ids == row_argmax(x[:3]).tolist()
+    assert out.logprobs[0] is None and out.logprobs[1] is not None  # widened for logprobs

@@ -65,6 +65,7 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "decoder_stack_workspace": [_ptr, _i64],
     "quant_dequantize": [_ptr, _i32, _i64, _i64, _ptr, _i32],
     "quant_dequantize_bf16": [_ptr, _i32, _i64, _i64, _ptr, _i32],
+    "argmax_rows_bf16": [_ptr, _i64, _i64, _i64, _ptr, _i32],
 }  # fmt: skip
 
 _RETURNS_INT = (

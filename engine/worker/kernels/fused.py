@@ -90,3 +90,15 @@ def rope_inplace(
     lib.rope_inplace(x.data_ptr(), x.stride(0), heads, head_dim, pos.data_ptr(),
                      cos_table.data_ptr(), sin_table.data_ptr(), x.shape[0],
                      torch.get_num_threads(), _bf16(x, cos_table, sin_table))  # fmt: skip
+
+
+def argmax_rows_bf16(x: torch.Tensor) -> torch.Tensor:
+    """[N, V] bf16 (unit stride along V) -> int64 [N]: the argmax of each row, first index on
+    ties, the first NaN if any (NumPy's rules), read in place without an fp32 copy."""
+    lib = library()
+    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows_bf16(
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
+    return out

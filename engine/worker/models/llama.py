@@ -272,25 +272,34 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos_sin, ctx.kv_caches[i], ctx)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, keep_dtype: bool = False) -> torch.Tensor | None:
         """hidden [N, hidden] -> logits [N, vocab] float32 (matmul in the model dtype, like HF).
 
-        Under tensor parallelism every rank computes its vocabulary columns and rank 0 gets
-        them all; the other ranks get None (they must still call this: it is a collective)."""
+        `keep_dtype`: leave them in the model's dtype (bf16 logits widen to fp32 exactly, so
+        a greedy argmax reads them as they are and the sampler widens them only when it
+        needs more; without tensor parallelism only, whose gather stays fp32). Under tensor
+        parallelism every rank computes its vocabulary columns and rank 0 gets them all;
+        the other ranks get None (they must still call this: it is a collective)."""
         if not self.has_lm_head:
             raise RuntimeError("this model was built without an LM head (an embedding model)")
-        logits = self.tp.gather_columns(self._local_logits(hidden))
+        logits = self.tp.gather_columns(
+            self._local_logits(hidden, widen=not keep_dtype or self.tp.size > 1)
+        )
         if logits is None or logits.shape[1] == self.vocab_size:
             return logits
         return logits[:, : self.vocab_size].contiguous()  # without the padding columns
 
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, this rank's vocab]
+    def _local_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """[N, this rank's vocab], fp32 when `widen`."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        emb = self.model.embed_tokens.weight
-        if self._packed_embedding is not None and hidden.shape[0] >= small_rows(hidden.dtype):
-            return packed_linear(hidden, self._packed_embedding, None, emb.shape[0]).float()
-        return F.linear(hidden, emb).float()
+            logits = self.lm_head(hidden)
+        else:
+            emb = self.model.embed_tokens.weight
+            if self._packed_embedding is not None and hidden.shape[0] >= small_rows(hidden.dtype):
+                logits = packed_linear(hidden, self._packed_embedding, None, emb.shape[0])
+            else:
+                logits = F.linear(hidden, emb)
+        return logits.float() if widen else logits
 
     def checkpoint_slice(self, name: str) -> CheckpointSlice | None:
         """The part of checkpoint tensor `name` this rank loads (None: all of it)."""

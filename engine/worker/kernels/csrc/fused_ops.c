@@ -155,3 +155,33 @@ void rope_inplace(void *x, int64_t xs, int heads, int D, const int64_t *position
 #pragma omp parallel num_threads(num_threads) if (rows > 4)
     rope_inplace_body(x, xs, heads, D, positions, cos_table, sin_table, rows, bf16);
 }
+
+/* Greedy decoding of a bf16 model: out[r] = argmax of row r of x [rows, n] (row stride xs),
+ * the first index on ties and the first NaN if there is one (NumPy's rules, which the fp32
+ * path uses). Reading the bf16 logits in place saves widening them to an fp32 copy first
+ * (64 x 49,152 logits: that copy and NumPy's argmax took ~2.8 ms of a ~28 ms step). Two
+ * passes per row: the maximum (vectorized), then its first index (the row is in cache). */
+void argmax_rows_bf16(const uint16_t *x, int64_t xs, int64_t rows, int64_t n, int64_t *out,
+                      int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *p = x + r * xs;
+        float m = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t c = 0; c < n; c++) {
+            const float v = bf16_to_f32(p[c]);
+            m = v > m ? v : m;
+            nan |= v != v;
+        }
+        int64_t best = 0;
+        for (int64_t c = 0; c < n; c++) {
+            const float v = bf16_to_f32(p[c]);
+            if (nan ? v != v : v == m) {
+                best = c;
+                break;
+            }
+        }
+        out[r] = best;
+    }
+}

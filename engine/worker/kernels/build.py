@@ -60,6 +60,7 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "quant_linear_rounded": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "quant_linear_bf16": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "q4g_bf16_native": [],
+    "q4g_use_bf16_dot": [_i32],
     "decoder_stack": [_ptr, _ptr, _i32],
     "q4g_dequantize_t": [_ptr, _i64, _i64, _ptr, _i32, _i32],
     "decoder_stack_workspace": [_ptr, _i64],
@@ -134,7 +135,19 @@ def _load() -> ctypes.CDLL:
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int if name in _RETURNS_INT else None
     lib.decoder_stack_workspace.restype = ctypes.c_int64
+    lib.q4g_use_bf16_dot(int(_bf16_dot_pays()))
     return lib
+
+
+def _bf16_dot_pays() -> bool:
+    """Whether the q4 kernels multiply bf16 rows with VDPBF16PS here (csrc/quant_linear_q4g.c):
+    on AMD (Zen 4/5) yes, on Intel no; `APPLIANCE_Q4G_BF16_DOT=on|off` decides instead."""
+    forced = os.environ.get("APPLIANCE_Q4G_BF16_DOT", "auto").lower()
+    if forced in ("1", "on", "true", "yes", "0", "off", "false", "no"):
+        return forced in ("1", "on", "true", "yes")
+    from engine.worker.cpu_features import detect_cpu_features
+
+    return detect_cpu_features().vendor != "GenuineIntel"
 
 
 def library() -> ctypes.CDLL | None:

@@ -297,3 +297,20 @@ def test_column_group_kernels_built_for_avx2_and_for_plain_c(march, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "native bf16 False" in proc.stdout  # neither level has AVX512-BF16
+
+
+@needs_kernels
+@pytest.mark.parametrize("dot", ["on", "off"])
+def test_bf16_rows_with_and_without_vdpbf16ps(dot):
+    """bf16 rows take VDPBF16PS only where it pays (AMD; Intel widens to fp32: build.py's
+    `_bf16_dot_pays`); both paths stay right on whatever CPU runs the suite, the switch
+    forced by APPLIANCE_Q4G_BF16_DOT in a subprocess."""
+    from engine.worker.cpu_features import detect_cpu_features
+
+    env = dict(os.environ, APPLIANCE_Q4G_BF16_DOT=dot)  # the same library: a runtime switch
+    proc = subprocess.run(
+        [sys.executable, "-c", _ISA_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    has = detect_cpu_features().avx512_bf16
+    assert f"native bf16 {dot == 'on' and has}" in proc.stdout

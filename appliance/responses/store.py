@@ -78,6 +78,31 @@ class StoredResponse:
         return self.input_items + list(self.response.get("output") or [])
 
 
+# How long opening a store file waits for another process that holds it (replicas that
+# share one file and start together).
+OPEN_WAIT_S = 30.0
+
+
+def _while_locked(op: Callable[[], object], wait_s: float = OPEN_WAIT_S) -> None:
+    """Runs `op`, again while the file is locked by another connection, up to `wait_s`.
+
+    Switching a file to WAL needs it alone, and SQLite answers "database is locked" at once
+    there instead of waiting out its busy timeout: two replicas sharing one store file that
+    started together failed one of them (seen in tests/serving/test_router_replicas.py)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            op()
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() >= deadline:
+                raise
+            _sleep(0.02)
+
+
+_sleep = time.sleep  # a seam for the test that holds the file
+
+
 class ResponseStore:
     """The store; `max_stored` 0 keeps nothing (every `put` is a no-op)."""
 
@@ -95,9 +120,9 @@ class ResponseStore:
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        if self.path != ":memory:":
-            self._db.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer
-        self._db.execute(_SCHEMA)
+        if self.path != ":memory:":  # readers never wait for a writer
+            _while_locked(lambda: self._db.execute("PRAGMA journal_mode=WAL"))
+        _while_locked(lambda: self._db.execute(_SCHEMA))
         self._lock = threading.Lock()
 
     @property

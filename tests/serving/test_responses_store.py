@@ -85,3 +85,35 @@ def test_async_calls_run_off_the_event_loop_thread():
 
 def test_the_default_path_is_under_the_appliance_cache(tmp_path):
     assert default_store_path({"APPLIANCE_CACHE": str(tmp_path)}) == tmp_path / "responses.sqlite3"
+
+
+def test_opening_a_store_file_another_process_holds_waits_for_it(tmp_path, monkeypatch):
+    """Replicas sharing one store file start together: switching the file to WAL needs it
+    alone and SQLite refuses at once ("database is locked"), which crashed one replica.
+    Opening now retries while the file is held: here a connection holds it exclusively until
+    the opener has been refused once (the retry seam signals it), then lets go."""
+    import sqlite3
+
+    from appliance.responses import store as store_mod
+
+    path = tmp_path / "responses.sqlite3"
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    refused = threading.Event()
+    real_sleep = store_mod._sleep
+
+    def sleep(s: float) -> None:
+        refused.set()
+        real_sleep(s)
+
+    monkeypatch.setattr(store_mod, "_sleep", sleep)
+    opened: list = []
+    t = threading.Thread(target=lambda: opened.append(ResponseStore(path, 10, None)))
+    t.start()
+    assert refused.wait(60)
+    holder.execute("COMMIT")
+    holder.close()
+    t.join(60)
+    assert opened and opened[0].count_sync() == 0
+    opened[0].put_sync(_resp(1), "o", [])
+    assert ResponseStore(path, 10, None).get_sync("resp_1", "o") is not None

@@ -55,7 +55,6 @@ from engine.worker.kv_tier.setup import (
     plan_kv_tiers,
     start_kv_tiers,
 )
-from engine.worker.kv_tier.tp_tier_worker import ShardedTierWorker
 from engine.worker.lora.model_lora import check_lora_runtime
 from engine.worker.lora.registry import LoRARegistry
 from engine.worker.models.loader import load_model, resolve_max_model_len
@@ -297,14 +296,10 @@ class LLMEngine:
         computes nothing."""
         worker = self.kv_tier_worker
         assert worker is not None
-        if self.tp_workers is None:
-            worker.submit(saves, loads, deletes)
-            return
-        if isinstance(worker, ShardedTierWorker):
-            deletes = deletes + worker.take_orphans()
-        so = SchedulerOutput(kv_saves=saves, kv_loads=loads, kv_deletes=deletes)
         worker.submit(saves, loads, deletes)
-        self.tp_workers.run_step(self.runner.execute, so)
+        if self.tp_workers is not None:
+            so = SchedulerOutput(kv_saves=saves, kv_loads=loads, kv_deletes=deletes)
+            self.tp_workers.run_step(self.runner.execute, so)
 
     @property
     def embedding_size(self) -> int | None:
@@ -502,8 +497,6 @@ class LLMEngine:
                 self.scheduler.apply_kv_report(report)
         so = self._step_output = self.scheduler.schedule()
         if tier is not None:  # off the engine thread: returns at once
-            if isinstance(tier, ShardedTierWorker):  # files only some ranks could write
-                so.kv_deletes.extend(tier.take_orphans())
             tier.submit(so.kv_saves, so.kv_loads, so.kv_deletes)
         if self.tp_workers is None:
             runner_out = self.runner.execute(so)

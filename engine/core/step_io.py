@@ -70,11 +70,16 @@ class KVTierReport:
     scan_removed: list[bytes] = field(default_factory=list)
     # Set once when the disk tier failed for good (ENOSPC, EIO): it is off from then on.
     disk_error: str | None = None
+    # Tensor parallelism: block files some ranks hold and others do not (a store that failed
+    # on one rank, a save cut short before a restart); the core deletes them everywhere
+    # unless its index holds that block meanwhile.
+    orphaned: list[bytes] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
             self.copied or self.stored or self.store_failed or self.loaded
             or self.load_failed or self.scan_added or self.scan_removed or self.disk_error
+            or self.orphaned
         )  # fmt: skip
 
 

@@ -348,6 +348,19 @@ def test_the_start_up_listing_keeps_the_newest_files_that_fit_and_deletes_the_re
     assert sorted(deletes) == [bytes([0]) * 32, bytes([1]) * 32]
 
 
+def test_orphaned_files_are_deleted_unless_the_index_holds_the_block():
+    """Tensor parallelism: files some ranks hold and others do not come back `orphaned`
+    (engine/worker/kv_tier/rank_reports.py); the core, which owns the index, deletes them,
+    except a block it holds (present or being saved) by then."""
+    sched = tier_scheduler(num_blocks=8, disk_blocks=4)
+    tier = sched.kv_tier
+    held, stray = bytes([1]) * 32, bytes([2]) * 32
+    assert tier.load_index([(held, FILE_BYTES, 1.0)]) == 1
+    tier.apply(KVTierReport(orphaned=[held, stray]))
+    _, _, deletes = tier.take_moves()
+    assert deletes == [stray] and tier.disk.hashes() == [held]
+
+
 def test_drain_flush_saves_the_pools_cached_blocks_most_recent_first():
     sched = tier_scheduler(num_blocks=8, disk_blocks=64, host_slots=4)
     worker = FakeTierWorker()

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from engine import LLM
-from tests.engine.test_kv_tier_fidelity import SMALL_POOL, _conversations, _two_turns
+from tests.engine.test_kv_tier_fidelity import SMALL_POOL, _conversations, _greedy, _two_turns
 from tests.support.offline import run_to_finals
 
 
@@ -85,9 +85,3 @@ def test_tp2_serves_returning_turns_from_every_ranks_tier_and_again_after_a_rest
     assert "ignores 2 other fingerprint directories" in caplog.text
     out = tp1.generate([{"prompt_token_ids": seconds[0]}], _greedy())
     assert out[0].metrics.num_cached_tokens == 0  # another layout: not its files
-
-
-def _greedy():
-    from tests.engine.test_kv_tier_fidelity import _greedy as greedy
-
-    return greedy()

@@ -35,11 +35,11 @@ def test_a_store_fails_if_any_rank_failed_and_the_written_shares_become_orphans(
     out = m.take()
     assert out.stored == [(H1, DISK_TIER)]
     assert out.store_failed == [(H2, DISK_TIER)]
-    assert m.take_orphans() == [H2]  # ranks 0 and 2 hold its file
-    assert m.take_orphans() == []
+    assert out.orphaned == [H2]  # ranks 0 and 2 hold its file
     m.add(1, KVTierReport(stored=[(H3, HOST_TIER)]))  # H3 waited for rank 1
-    assert m.take().store_failed == [(H3, HOST_TIER)]
-    assert m.take_orphans() == []  # a host slot is no file
+    out = m.take()
+    assert out.store_failed == [(H3, HOST_TIER)]
+    assert out.orphaned == []  # a host slot is no file
 
 
 def test_a_load_is_done_when_every_rank_filled_its_share_and_fails_if_one_did_not():
@@ -72,9 +72,6 @@ def test_the_first_disk_error_of_any_rank_switches_the_disk_off():
 
 def test_the_index_takes_blocks_every_rank_holds_and_deletes_the_rest():
     m = RankReportMerger(2)
-    whole, partial = m.seed_listings(
-        [[(H1, 100, 1.0), (H2, 100, 2.0)], [(H1, 100, 3.0), (H3, 100, 4.0)]]
-    )
+    whole = m.seed_listings([[(H1, 100, 1.0), (H2, 100, 2.0)], [(H1, 100, 3.0), (H3, 100, 4.0)]])
     assert whole == [(H1, 100, 3.0)]
-    assert sorted(partial) == [H2, H3]
-    assert sorted(m.take_orphans()) == [H2, H3]
+    assert sorted(m.take().orphaned) == [H2, H3]

@@ -343,6 +343,8 @@ class KVTierManager:
             self._loaded(block_id, why)
         if report.scan_added or report.scan_removed:
             self._merge_scan(report.scan_added, report.scan_removed)
+        if self.disk is not None:  # after store_failed dropped them from the index
+            self._deletes.extend(h for h in report.orphaned if h not in self.disk)
         if report.disk_error is not None:
             self._disable_disk(report.disk_error)
 

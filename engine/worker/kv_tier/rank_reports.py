@@ -7,9 +7,9 @@ it is done on every rank:
 
 - a save's block may be reused (`copied`) only when every rank has copied its share out;
 - a block is `stored` in a tier only when every rank stored its share; if any rank failed,
-  it is `store_failed`, and the shares the other ranks did write are orphans: their file
-  names are handed back (`take_orphans`) to be deleted on every rank, so that no directory
-  holds bytes its index does not count;
+  it is `store_failed`, and the shares the other ranks did write are reported `orphaned`:
+  the core deletes them on every rank, so that no directory holds bytes its index does not
+  count;
 - a load is `loaded` only when every rank filled its share; one rank's failure makes it
   `load_failed` (the request computes the block, on every rank, as without a tier);
 - a file another replica wrote (`scan_added`) counts once every rank's directory has it; one
@@ -36,7 +36,6 @@ class RankReportMerger:
         self._loads: dict[int, list] = {}  # block id -> [reported, first failure or None]
         self._added: dict[bytes, tuple[set[int], int, float]] = {}  # -> ranks, bytes, mtime
         self._out = KVTierReport()
-        self._orphans: list[bytes] = []
 
     def add(self, rank: int, report: KVTierReport) -> None:
         """Takes in what `rank` finished."""
@@ -81,7 +80,7 @@ class RankReportMerger:
             return
         self._out.store_failed.append(key)
         if tally[1] and key[1] == DISK_TIER:
-            self._orphans.append(key[0])
+            self._out.orphaned.append(key[0])
 
     def _load(self, block_id: int, failure: str | None) -> None:
         tally = self._loads.setdefault(block_id, [0, None])
@@ -98,19 +97,18 @@ class RankReportMerger:
 
     def seed_listings(
         self, listings: list[list[tuple[bytes, int, float]]]
-    ) -> tuple[list[tuple[bytes, int, float]], list[bytes]]:
+    ) -> list[tuple[bytes, int, float]]:
         """Start-up: every rank's directory listing, rank 0 first. Returns the entries every
-        rank holds (the index takes those) and the hashes only some ranks hold (orphans of a
-        save cut short: also queued for `take_orphans`, to delete on every rank)."""
+        rank holds (the index takes those); the hashes only some ranks hold (a save cut
+        short) go out as `orphaned` with the next `take`."""
         seen: dict[bytes, tuple[int, int, float]] = {}
         for listing in listings:
             for h, nbytes, mtime in listing:
                 count, _, latest = seen.get(h, (0, nbytes, mtime))
                 seen[h] = (count + 1, nbytes, max(latest, mtime))
         whole = [(h, n, t) for h, (c, n, t) in seen.items() if c == self.size]
-        partial = [h for h, (c, _, _) in seen.items() if c < self.size]
-        self._orphans.extend(partial)
-        return whole, partial
+        self._out.orphaned.extend(h for h, (c, _, _) in seen.items() if c < self.size)
+        return whole
 
     def take(self) -> KVTierReport | None:
         """What is complete on every rank since the last take, or None."""
@@ -119,8 +117,3 @@ class RankReportMerger:
 
     def has_report(self) -> bool:
         return bool(self._out)
-
-    def take_orphans(self) -> list[bytes]:
-        """Block files some ranks wrote and others could not: to delete on every rank."""
-        out, self._orphans = self._orphans, []
-        return out

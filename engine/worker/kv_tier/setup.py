@@ -145,13 +145,13 @@ def start_kv_tiers(
     manager = KVTierManager(kv, sizes)
     merger = RankReportMerger(1 + len(ranks.listings)) if ranks is not None else None
     known: set[bytes] = set()
-    partial: list[bytes] = []
     if disk is not None:
         t0 = time.perf_counter()
         listing = [(e.block_hash, e.nbytes, e.mtime) for e in disk.scan()]
         known = {h for h, _, _ in listing}
         if merger is not None:
-            listing, partial = merger.seed_listings([listing, *ranks.listings])
+            # the blocks every rank holds; the others go to the core as `orphaned`
+            listing = merger.seed_listings([listing, *ranks.listings])
         taken = manager.load_index(listing)
         others = disk.other_fingerprints()
         logger.info(
@@ -159,11 +159,6 @@ def start_kv_tiers(
             disk.dir, len(known), taken, plan.disk_capacity_bytes / _GIB,
             time.perf_counter() - t0,
         )  # fmt: skip
-        if partial:
-            logger.info(
-                "kv disk tier: %d blocks have files on some tensor-parallel ranks only (a "
-                "save cut short); deleting them", len(partial),
-            )  # fmt: skip
         if others:
             logger.info(
                 "kv disk tier ignores %d other fingerprint directories under %s (another "

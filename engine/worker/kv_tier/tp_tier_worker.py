@@ -8,8 +8,7 @@ they run the step. Each worker rank sends what its tier finished over a pipe of 
 engine is idle still wakes it (`on_scan`, as a rescan of the shared directory does).
 
 The engine uses this exactly as a `KVTierWorker` (`submit`, `poll`, `has_report`,
-`close`); `take_orphans` adds the block files that only some ranks wrote, for the next
-step's deletes.
+`close`).
 """
 
 from __future__ import annotations
@@ -46,10 +45,6 @@ class ShardedTierWorker:
     # ---- the engine thread's side --------------------------------------------------------
     def submit(self, saves: list[KVMove], loads: list[KVMove], deletes: list[bytes]) -> None:
         self.local.submit(saves, loads, deletes)
-
-    def take_orphans(self) -> list[bytes]:
-        with self._cond:
-            return self._merger.take_orphans()
 
     def poll(self, wait_s: float = 0.0) -> KVTierReport | None:
         """What every rank has finished since the last poll, or None; waits up to `wait_s`

@@ -124,7 +124,7 @@ def _start(spec: WorkerSpec, conn: Connection) -> tuple[ModelRunner, KVTierWorke
     num_blocks += plan.extra_pool_blocks  # as rank 0 does (the CPU's host_tier_gib)
     runner.allocate_kv_cache(num_blocks)
     tier, listing = start_rank_tier(
-        config, geom.bytes_per_block, runner.kv_caches, device, loaded.model_dir, loaded.dtype,
+        config, plan, runner.kv_caches, device, loaded.model_dir, loaded.dtype,
         (geom.num_layers, geom.num_kv_heads, geom.head_dim), spec.rank,
     )  # fmt: skip
     conn.send(("ready", num_blocks, listing))

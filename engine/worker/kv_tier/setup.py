@@ -183,7 +183,7 @@ class RankTiers:
 
 def start_rank_tier(
     config: EngineConfig,
-    block_bytes: int,
+    plan: TierPlan,
     kv_caches: list[torch.Tensor],
     device: torch.device,
     model_dir: Path,
@@ -192,9 +192,9 @@ def start_rank_tier(
     rank: int,
 ) -> tuple[KVTierWorker | None, list[tuple[bytes, int, float]]]:
     """A tensor-parallel worker rank's tier over its share of the blocks, and its disk
-    listing for rank 0's index (None and [] when the tiers are off)."""
-    plan = plan_kv_tiers(config.cache, block_bytes, device, config.parallel.tensor_parallel_size)
-    if not (plan.host_slots or plan.disk_dir is not None):
+    listing for rank 0's index (None and [] when the tiers are off). `plan`: this rank's
+    `plan_kv_tiers`, the one its pool was sized with."""
+    if not plan.enabled:
         return None, []
     disk = None
     listing: list[tuple[bytes, int, float]] = []

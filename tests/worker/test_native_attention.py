@@ -115,10 +115,11 @@ def test_bf16_queries_and_output(num_rows):
 )  # fmt: skip
 def test_bf16_dot_path_shapes(D, H, Hkv, block, window):
     """With AVX512-BF16 a bf16 cache and bf16 queries with D a multiple of 32 take
-    VDPBF16PS scores and 16-token reduction trees (csrc/paged_attention.c): head dims,
-    groups (odd ones too), blocks shorter and longer than 16 tokens, windows that start
-    mid-block. D = 80 is no multiple of 32: the scalar path, beside it. Without the
-    instructions every case runs the scalar path."""
+    VDPBF16PS scores, 16-token reduction trees and values widened in even/odd halves (put
+    back in order at the end; csrc/paged_attention.c): head dims, groups (odd ones too),
+    blocks shorter and longer than 16 tokens, windows that start mid-block. D = 80 is no
+    multiple of 32: the scalar path, beside it. Without the instructions every case runs
+    the scalar path."""
     lens = [1, 15, 16, 17, 31, 47, 70]
     _case(lens, H, Hkv, D, block=block, dtype=torch.bfloat16, window=window, seed=D + block,
           spare_rows=1, q_dtype=torch.bfloat16)  # fmt: skip

@@ -15,6 +15,13 @@
  * block's K and V are read from memory once while they are hot. With many items a task takes
  * every head, reading whole cache rows; with few, heads are split across threads.
  *
+ * With AVX-512 the fp32 and the bf16 cache each have explicit vector loops (scores by FMA or
+ * VDPBF16PS reduced 16 tokens at a time, one vector softmax per block and head, values by
+ * FMA with the accumulator in registers), and the next block's lines are prefetched a few
+ * per token visited. Decode at 64 rows (W64 on llama50m: 4 KV heads x 64, ~210 tokens, a
+ * Xeon's 2 cores) went from 1.35 to 0.63-0.73 ms a layer in bf16 and 2.1-2.7 to 1.5 ms in
+ * fp32, about the ~19 GB/s those cores read (bench: see docs/benchmarks.md, 2026-12-06).
+ *
  * Layout (engine/worker/attention/base.py): cache [num_blocks, 2, block_size, Hkv, D], K = 0, V = 1,
  * fp32 or bf16; q and out are [*, H, D] with the given row strides, both fp32 or both bf16
  * (the bf16 model's activations). Scores, softmax and the accumulator are fp32 either way. The library is
@@ -28,8 +35,14 @@
 #include "bf16.h"
 #include "vec_math.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define PA_F32_VEC 1
+#define PA_HAS_F32_VEC 1
+#else
+#define PA_HAS_F32_VEC 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PA_BF16_DOT 1
 #define PA_HAS_BF16_DOT 1
 #else
@@ -51,6 +64,19 @@ typedef struct {
     void *out; int64_t out_row_stride;
 } args_t;
 
+/* The next block's cache lines, prefetched a few at a time from inside this block's loops
+ * (`per` lines per token visited) rather than all at its start: a burst of 256 prefetches
+ * (a bf16 block's K and V at 4 heads x 64) fills the core's load buffers and stalls it until
+ * they land, so the block's arithmetic never overlapped its successor's fetch. */
+typedef struct {
+    const char *p, *end;
+    int per;
+} pf_stream;
+
+static inline __attribute__((always_inline)) void pf_step(pf_stream *f) {
+    for (int i = 0; i < f->per && f->p < f->end; i++, f->p += 64) __builtin_prefetch(f->p);
+}
+
 static inline __attribute__((always_inline)) float dot(const float *restrict a,
                                                        const float *restrict b, const int n) {
     float s = 0.0f;
@@ -71,15 +97,7 @@ load_row(const args_t *a, int64_t off, float *restrict tmp, const int D) {
     return tmp;
 }
 
-#ifdef PA_BF16_DOT
-/* bf16 cache and bf16 queries with AVX512-BF16 (the bf16 model's decode): a score is
- * VDPBF16PS over D/32 chunks (bf16 products are exact in fp32, summed in fp32, as the
- * scalar path does, in another order), and 16 tokens' partial-sum vectors are reduced
- * together by a permute tree (4 levels, 15 adds) instead of one horizontal sum per token:
- * that reduction, not the cache reads, bounded the scalar path (bf16 ran no faster than
- * fp32 at half the bytes). Values keep exact fp32 FMAs, the accumulator held in registers
- * across a block's tokens. */
-
+#ifdef PA_F32_VEC
 /* The permutes of sum16, level by level (P = 16, 8, 4, 2 partial sums per token in, a
  * vector holding 16 / P tokens): output lane L takes token L / (P/2)'s partials L % (P/2)
  * ("lo") and L % (P/2) + P/2 ("hi") from the first vector (lane values 0-15) or the
@@ -107,10 +125,73 @@ static inline __attribute__((always_inline)) __m512 sum16(__m512 *p) {
     return p[0];
 }
 
+/* fp32 cache and queries with AVX-512: a score is D/16 FMAs into one vector of partial
+ * sums, 16 tokens' vectors reduced together by sum16 (a horizontal sum per token was most
+ * of the fp32 step); values keep the accumulator in registers across a block's tokens. */
+static inline __attribute__((always_inline)) void
+scores_f32(const float *kblock, int64_t row, int t0, int t1, int nkv, int G, const float *q,
+           float scale, float *s, pf_stream *pf, const int D) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int h = 0; h < nkv; h++) {
+        for (int g = 0; g < G; g++) {
+            const int j = h * G + g;
+            __m512 qv[MAX_D / 16];
+            for (int c = 0; c < D / 16; c++) qv[c] = _mm512_loadu_ps(q + (int64_t)j * D + c * 16);
+            for (int t = t0; t < t1; t += 16) {
+                const int m = t1 - t < 16 ? t1 - t : 16;
+                __m512 p[16];
+                for (int u = 0; u < 16; u++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    if (u < m) {
+                        pf_step(pf);
+                        const float *k = kblock + (int64_t)(t + u) * row + (int64_t)h * D;
+                        for (int c = 0; c < D / 16; c++)
+                            acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), acc);
+                    }
+                    p[u] = acc;
+                }
+                _mm512_mask_storeu_ps(s + j * MAX_BLOCK + t, (__mmask16)((1u << m) - 1u),
+                                      _mm512_mul_ps(sum16(p), vscale));
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void
+values_f32(const float *vblock, int64_t row, int t0, int t1, int nkv, int G, const float *s,
+           float *acc, pf_stream *pf, const int D) {
+    for (int h = 0; h < nkv; h++) {
+        for (int g = 0; g < G; g++) {
+            const int j = h * G + g;
+            float *aj = acc + (int64_t)j * D;
+            __m512 av[MAX_D / 16];
+            for (int c = 0; c < D / 16; c++) av[c] = _mm512_loadu_ps(aj + c * 16);
+            for (int t = t0; t < t1; t++) {
+                pf_step(pf);
+                const __m512 w = _mm512_set1_ps(s[j * MAX_BLOCK + t]);
+                const float *v = vblock + (int64_t)t * row + (int64_t)h * D;
+                for (int c = 0; c < D / 16; c++)
+                    av[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), av[c]);
+            }
+            for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(aj + c * 16, av[c]);
+        }
+    }
+}
+#endif
+
+#ifdef PA_BF16_DOT
+/* bf16 cache and bf16 queries with AVX512-BF16 (the bf16 model's decode): a score is
+ * VDPBF16PS over D/32 chunks (bf16 products are exact in fp32, summed in fp32, as the
+ * scalar path does, in another order), and 16 tokens' partial-sum vectors are reduced
+ * together by a permute tree (4 levels, 15 adds) instead of one horizontal sum per token:
+ * that reduction, not the cache reads, bounded the scalar path (bf16 ran no faster than
+ * fp32 at half the bytes). Values keep exact fp32 FMAs, the accumulator held in registers
+ * across a block's tokens. */
+
 /* scores s[j * MAX_BLOCK + t] = scale * q_j . k_t for tokens [t0, t1) of one block. */
 static inline __attribute__((always_inline)) void
 scores_bf16(const uint16_t *kblock, int64_t row, int t0, int t1, int nkv, int G,
-            const uint16_t *q, float scale, float *s, const int D) {
+            const uint16_t *q, float scale, float *s, pf_stream *pf, const int D) {
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int h = 0; h < nkv; h++) {
         for (int g = 0; g < G; g++) {
@@ -124,6 +205,7 @@ scores_bf16(const uint16_t *kblock, int64_t row, int t0, int t1, int nkv, int G,
                 for (int u = 0; u < 16; u++) {
                     __m512 acc = _mm512_setzero_ps();
                     if (u < m) {
+                        pf_step(pf);
                         const uint16_t *k = kblock + (int64_t)(t + u) * row + (int64_t)h * D;
                         for (int c = 0; c < D / 32; c++)
                             acc = _mm512_dpbf16_ps(acc, qv[c],
@@ -138,10 +220,17 @@ scores_bf16(const uint16_t *kblock, int64_t row, int t0, int t1, int nkv, int G,
     }
 }
 
-/* acc_j += sum over tokens [t0, t1) of s[j][t] * v_t, in token order per element. */
+/* acc_j += sum over tokens [t0, t1) of s[j][t] * v_t, the weights in fp32: each V row is
+ * widened in two halves, its even elements (a shift) and its odd ones (a mask), so one
+ * shift or AND and one FMA cover 16 elements; acc holds each 32-element chunk as 16 even
+ * then 16 odd elements (unpermute_acc restores the order at the end). Widening element by
+ * element cost a shuffle per 16 elements on the one shuffle port, and VDPBF16PS on token
+ * pairs (the weights rounded to bf16) ran 1.25x slower than this on a Xeon, where it issues
+ * at half the FMA rate. */
 static inline __attribute__((always_inline)) void
 values_bf16(const uint16_t *vblock, int64_t row, int t0, int t1, int nkv, int G,
-            const float *s, float *acc, const int D) {
+            const float *s, float *acc, pf_stream *pf, const int D) {
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int h = 0; h < nkv; h++) {
         for (int g = 0; g < G; g++) {
             const int j = h * G + g;
@@ -149,20 +238,109 @@ values_bf16(const uint16_t *vblock, int64_t row, int t0, int t1, int nkv, int G,
             __m512 av[MAX_D / 16];
             for (int c = 0; c < D / 16; c++) av[c] = _mm512_loadu_ps(aj + c * 16);
             for (int t = t0; t < t1; t++) {
+                pf_step(pf);
                 const __m512 w = _mm512_set1_ps(s[j * MAX_BLOCK + t]);
                 const uint16_t *v = vblock + (int64_t)t * row + (int64_t)h * D;
-                for (int c = 0; c < D / 16; c++) {
-                    const __m512i wide = _mm512_cvtepu16_epi32(
-                        _mm256_loadu_si256((const __m256i *)(v + c * 16)));
-                    av[c] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)),
-                                            av[c]);
+                for (int c = 0; c < D / 32; c++) {
+                    const __m512i x = _mm512_loadu_si512(v + c * 32);
+                    av[2 * c] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                                                av[2 * c]);
+                    av[2 * c + 1] = _mm512_fmadd_ps(
+                        w, _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask)), av[2 * c + 1]);
                 }
             }
             for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(aj + c * 16, av[c]);
         }
     }
 }
+
+/* EO_PERM[0] / [1]: elements 0-15 / 16-31 of a chunk from its (even, odd) vector pair
+ * (lanes 16-31 = odd). */
+static const int32_t EO_PERM[2][16] __attribute__((aligned(64))) = {
+    {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23},
+    {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31},
+};
+
+/* acc rows from values_bf16's even/odd layout back into element order, in place. */
+static inline __attribute__((always_inline)) void unpermute_acc(float *acc, int nh, const int D) {
+    const __m512i p0 = _mm512_load_si512(EO_PERM[0]), p1 = _mm512_load_si512(EO_PERM[1]);
+    for (int j = 0; j < nh; j++)
+        for (int c = 0; c < D / 32; c++) {
+            float *a = acc + (int64_t)j * D + c * 32;
+            const __m512 ev = _mm512_loadu_ps(a), od = _mm512_loadu_ps(a + 16);
+            _mm512_storeu_ps(a, _mm512_permutex2var_ps(ev, p0, od));
+            _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(ev, p1, od));
+        }
+}
 #endif
+
+#ifdef PA_F32_VEC
+/* vexpf (vec_math.h) on 16 lanes: the same reduction and polynomial, written out so the
+ * softmax of a block is a few vector instructions instead of a loop GCC peels around a
+ * variable trip count of at most 16. */
+static inline __attribute__((always_inline)) __m512 vexp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+/* One block's online-softmax step for query heads [0, nh): scores s[j][t0..t1) become
+ * exp(s - m_new) in place, the running max m and sum l move on, and the accumulator is
+ * rescaled when the max grew. */
+static inline __attribute__((always_inline)) void
+block_softmax(float *s, int t0, int t1, int nh, float *m, float *l, float *acc, const int D) {
+    for (int j = 0; j < nh; j++) {
+        float *sj = s + j * MAX_BLOCK, bmax = -INFINITY, sum = 0.0f;
+#ifdef PA_F32_VEC
+        for (int t = t0; t < t1; t += 16) {
+            const __mmask16 k = (__mmask16)(t1 - t >= 16 ? 0xFFFFu : (1u << (t1 - t)) - 1u);
+            const float cm = _mm512_mask_reduce_max_ps(k, _mm512_maskz_loadu_ps(k, sj + t));
+            bmax = cm > bmax ? cm : bmax;
+        }
+#else
+#pragma omp simd reduction(max : bmax)
+        for (int t = t0; t < t1; t++) bmax = sj[t] > bmax ? sj[t] : bmax;
+#endif
+        const float m_new = bmax > m[j] ? bmax : m[j];
+        /* 0 on the first block (m = -inf); vexpf clamps, so say it outright */
+        const float c = m[j] == -INFINITY ? 0.0f : vexpf(m[j] - m_new);
+#ifdef PA_F32_VEC
+        const __m512 vm = _mm512_set1_ps(m_new);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int t = t0; t < t1; t += 16) {
+            const __mmask16 k = (__mmask16)(t1 - t >= 16 ? 0xFFFFu : (1u << (t1 - t)) - 1u);
+            const __m512 e = vexp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sj + t), vm));
+            _mm512_mask_storeu_ps(sj + t, k, e);
+            vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
+        }
+        sum = _mm512_reduce_add_ps(vsum);
+#else
+#pragma omp simd reduction(+ : sum)
+        for (int t = t0; t < t1; t++) sum += (sj[t] = vexpf(sj[t] - m_new));
+#endif
+        l[j] = l[j] * c + sum;
+        m[j] = m_new;
+        if (c != 1.0f) {
+            float *aj = acc + (int64_t)j * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) aj[d] *= c;
+        }
+    }
+}
 
 /* Heads [h0, h1) of item i, block by block: each block's K rows and then V rows are read
  * once, in address order, for every head of the range (better for the prefetchers than one
@@ -185,6 +363,9 @@ attend(const args_t *a, int64_t i, int h0, int h1, const int D) {
     const float *qi = qbuf;
     /* D a literal multiple of 32 at the call sites that take the AVX512-BF16 path */
     const int dot_bf16 = PA_HAS_BF16_DOT && a->is_bf16 && a->q_bf16 && D % 32 == 0;
+    /* fp32 cache and queries, D a literal multiple of 16: the AVX-512 loops */
+    const int vec_f32 = PA_HAS_F32_VEC && !a->is_bf16 && !a->q_bf16 && D % 16 == 0;
+    const int whole = h1 - h0 == a->Hkv;
     if (a->q_bf16 && !dot_bf16) { /* (scores_bf16 reads bf16 queries as they are) */
         const uint16_t *src = (const uint16_t *)a->q + q0;
 #pragma omp simd
@@ -198,29 +379,43 @@ attend(const args_t *a, int64_t i, int h0, int h1, const int D) {
         const int t0 = b == first / bs ? (int)(first % bs) : 0;
         const int t1 = b == p / bs ? (int)(p % bs) + 1 : bs;
         const int64_t base = (int64_t)table[b] * 2 * kv_off + (int64_t)h0 * D;
-        if (b < p / bs) { /* the next block sits elsewhere: start fetching it */
+        /* the next block sits elsewhere: start fetching it (see pf_stream) */
+        pf_stream pk = {NULL, NULL, 0}, pv = {NULL, NULL, 0};
+        if (b < p / bs) {
             const int64_t elt = a->is_bf16 ? 2 : 4;
             const char *nk = (const char *)a->cache +
                              ((int64_t)table[b + 1] * 2 * kv_off + (int64_t)h0 * D) * elt;
             const char *nv = nk + kv_off * elt;
-            /* bf16: every line of it we will read (a whole item's heads are one run per
-             * block, K then V; a head range, a run per token). Decode is memory-bound and
-             * each new block's rows stalled the step: 64 rows, 12 layers' KV cycled (past L2),
-             * 0.99 -> 0.87 ms a layer; two blocks ahead was no better. fp32 (twice the
-             * lines) ran 7% slower with it, so there only each run's first line. */
-            const int whole = h1 - h0 == a->Hkv;
-            const int64_t len = whole ? (int64_t)bs * row * elt : (int64_t)(h1 - h0) * D * elt;
-            const int64_t run = a->is_bf16 ? len : 1;
-            for (int t = 0; t < (whole || !a->is_bf16 ? 1 : bs); t++)
-                for (int64_t off = 0; off < run; off += 64) {
-                    __builtin_prefetch(nk + t * row * elt + off);
-                    __builtin_prefetch(nv + t * row * elt + off);
-                }
+            if (whole && (dot_bf16 || vec_f32)) {
+                /* a whole item's heads: the block's K then V, each one run of lines, spread
+                 * over the token visits of the scores and of the values loop */
+                const int64_t lines = ((int64_t)bs * row * elt + 63) / 64;
+                const int64_t visits = (int64_t)nh * (t1 - t0);
+                const int per = (int)((lines + visits - 1) / visits);
+                pk = (pf_stream){nk, nk + lines * 64, per};
+                pv = (pf_stream){nv, nv + lines * 64, per};
+            } else {
+                /* a head range (a run per token) or the scalar loops: each run's first line
+                 * now (bf16: every line of it) */
+                const int64_t len = whole ? (int64_t)bs * row * elt : (int64_t)(h1 - h0) * D * elt;
+                const int64_t run = a->is_bf16 ? len : 1;
+                for (int t = 0; t < (whole || !a->is_bf16 ? 1 : bs); t++)
+                    for (int64_t off = 0; off < run; off += 64) {
+                        __builtin_prefetch(nk + t * row * elt + off);
+                        __builtin_prefetch(nv + t * row * elt + off);
+                    }
+            }
         }
 #ifdef PA_BF16_DOT
         if (dot_bf16) {
             scores_bf16((const uint16_t *)a->cache + base, row, t0, t1, h1 - h0, G,
-                        (const uint16_t *)a->q + q0, a->scale, s, D);
+                        (const uint16_t *)a->q + q0, a->scale, s, &pk, D);
+        } else
+#endif
+#ifdef PA_F32_VEC
+        if (vec_f32) {
+            scores_f32((const float *)a->cache + base, row, t0, t1, h1 - h0, G, qi, a->scale, s,
+                       &pk, D);
         } else
 #endif
         for (int t = t0; t < t1; t++) { /* scores: one K row serves its G query heads */
@@ -232,27 +427,17 @@ attend(const args_t *a, int64_t i, int h0, int h1, const int D) {
                 }
             }
         }
-        for (int j = 0; j < nh; j++) { /* online softmax: rescale what came before */
-            float *sj = s + j * MAX_BLOCK, bmax = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : bmax)
-            for (int t = t0; t < t1; t++) bmax = sj[t] > bmax ? sj[t] : bmax;
-            const float m_new = bmax > m[j] ? bmax : m[j];
-            /* 0 on the first block (m = -inf); vexpf clamps, so say it outright */
-            const float c = m[j] == -INFINITY ? 0.0f : vexpf(m[j] - m_new);
-#pragma omp simd reduction(+ : sum)
-            for (int t = t0; t < t1; t++) sum += (sj[t] = vexpf(sj[t] - m_new));
-            l[j] = l[j] * c + sum;
-            m[j] = m_new;
-            if (c != 1.0f) {
-                float *aj = acc + (int64_t)j * D;
-#pragma omp simd
-                for (int d = 0; d < D; d++) aj[d] *= c;
-            }
-        }
+        block_softmax(s, t0, t1, nh, m, l, acc, D);
 #ifdef PA_BF16_DOT
         if (dot_bf16) {
             values_bf16((const uint16_t *)a->cache + base + kv_off, row, t0, t1, h1 - h0, G, s,
-                        acc, D);
+                        acc, &pv, D);
+        } else
+#endif
+#ifdef PA_F32_VEC
+        if (vec_f32) {
+            values_f32((const float *)a->cache + base + kv_off, row, t0, t1, h1 - h0, G, s, acc,
+                       &pv, D);
         } else
 #endif
         for (int t = t0; t < t1; t++) { /* values: one V row serves its G query heads */
@@ -268,6 +453,9 @@ attend(const args_t *a, int64_t i, int h0, int h1, const int D) {
             }
         }
     }
+#ifdef PA_BF16_DOT
+    if (dot_bf16) unpermute_acc(acc, nh, D); /* values_bf16's even/odd layout */
+#endif
     for (int j = 0; j < nh; j++) {
         const float inv = 1.0f / l[j];
         const float *aj = acc + (int64_t)j * D;

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -188,6 +189,33 @@ def test_off_switch_falls_back_to_torch_with_the_same_answer(tmp_path):
     q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
     out = TorchPagedBackend(native=True).forward(q, k, v, cache, md, spec)
     torch.testing.assert_close(out, torch.load(tmp_path / "off.pt"), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA levels")
+def test_the_avx2_build_takes_the_portable_loops_with_the_same_answers(tmp_path):
+    """AVX-512 boxes run the explicit vector loops (csrc/vec512.h: attention over fp32 and
+    bf16 caches, the vector softmax, the spread prefetch, SiLU-and-mul and RMSNorm); an AVX2
+    build of the same library runs the portable loops. Both must pass the same reference
+    checks, whatever CPU runs the suite: the library built with -march=x86-64-v3 in a
+    subprocess (its own kernel cache)."""
+    code = (
+        "import torch\n"
+        "from tests.worker import test_native_attention as t\n"
+        "for D, H, Hkv in [(64, 8, 2), (128, 12, 4), (40, 6, 2)]:\n"
+        "    t._case([1, 15, 17, 47, 70] * 2, H, Hkv, D, block=16, seed=D)\n"
+        "    t._case([1, 15, 17, 47, 70] * 2, H, Hkv, D, block=16, dtype=torch.bfloat16,\n"
+        "            q_dtype=torch.bfloat16, window=23, seed=D)\n"
+        "from tests.worker import test_fused_ops as f\n"
+        "f.test_bf16_ops_equal_the_torch_bf16_ops_bit_for_bit(5)\n"
+        "f.test_silu_and_mul_matches_torch(7)\n"
+    )
+    env = dict(os.environ, APPLIANCE_KERNEL_MARCH="x86-64-v3",
+               APPLIANCE_KERNEL_CACHE=str(tmp_path / "k"))  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=HANG_S)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((tmp_path / "k").glob("appliance_kernels-*.so"))  # it built its own
 
 
 def test_kernel_builds_into_its_cache_dir(tmp_path):

@@ -33,16 +33,16 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec512.h"
 #include "vec_math.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if defined(HAVE_VEC512) /* vec512.h: AVX-512 F, BW and VL */
 #define PA_F32_VEC 1
 #define PA_HAS_F32_VEC 1
 #else
 #define PA_HAS_F32_VEC 0
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(HAVE_VEC512) && defined(__AVX512BF16__)
 #define PA_BF16_DOT 1
 #define PA_HAS_BF16_DOT 1
 #else
@@ -274,30 +274,6 @@ static inline __attribute__((always_inline)) void unpermute_acc(float *acc, int 
 }
 #endif
 
-#ifdef PA_F32_VEC
-/* vexpf (vec_math.h) on 16 lanes: the same reduction and polynomial, written out so the
- * softmax of a block is a few vector instructions instead of a loop GCC peels around a
- * variable trip count of at most 16. */
-static inline __attribute__((always_inline)) __m512 vexp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
-
 /* One block's online-softmax step for query heads [0, nh): scores s[j][t0..t1) become
  * exp(s - m_new) in place, the running max m and sum l move on, and the accumulator is
  * rescaled when the max grew. */
@@ -307,7 +283,7 @@ block_softmax(float *s, int t0, int t1, int nh, float *m, float *l, float *acc, 
         float *sj = s + j * MAX_BLOCK, bmax = -INFINITY, sum = 0.0f;
 #ifdef PA_F32_VEC
         for (int t = t0; t < t1; t += 16) {
-            const __mmask16 k = (__mmask16)(t1 - t >= 16 ? 0xFFFFu : (1u << (t1 - t)) - 1u);
+            const __mmask16 k = tail16(t1 - t);
             const float cm = _mm512_mask_reduce_max_ps(k, _mm512_maskz_loadu_ps(k, sj + t));
             bmax = cm > bmax ? cm : bmax;
         }
@@ -322,7 +298,7 @@ block_softmax(float *s, int t0, int t1, int nh, float *m, float *l, float *acc, 
         const __m512 vm = _mm512_set1_ps(m_new);
         __m512 vsum = _mm512_setzero_ps();
         for (int t = t0; t < t1; t += 16) {
-            const __mmask16 k = (__mmask16)(t1 - t >= 16 ? 0xFFFFu : (1u << (t1 - t)) - 1u);
+            const __mmask16 k = tail16(t1 - t);
             const __m512 e = vexp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sj + t), vm));
             _mm512_mask_storeu_ps(sj + t, k, e);
             vsum = _mm512_mask_add_ps(vsum, k, vsum, e);

@@ -157,9 +157,17 @@ scores_f32(const float *kblock, int64_t row, int t0, int t1, int nkv, int G, con
     }
 }
 
+/* acc_j += sum over tokens [t0, t1) of s[j][t] * v_t, the weights in fp32, the
+ * accumulator in registers across the block's tokens. A bf16 V row is widened in two halves, its even elements (a shift) and its odd ones (a mask), so one
+ * shift or AND and one FMA cover 16 elements; acc holds each 32-element chunk as 16 even
+ * then 16 odd elements (unpermute_acc restores the order at the end). Widening element by
+ * element cost a shuffle per 16 elements on the one shuffle port, and VDPBF16PS on token
+ * pairs (the weights rounded to bf16) ran 1.25x slower than this on a Xeon, where it issues
+ * at half the FMA rate. */
 static inline __attribute__((always_inline)) void
-values_f32(const float *vblock, int64_t row, int t0, int t1, int nkv, int G, const float *s,
-           float *acc, pf_stream *pf, const int D) {
+values_vec(const void *vblock, int64_t row, int t0, int t1, int nkv, int G, const float *s,
+           float *acc, pf_stream *pf, const int D, const int bf16) {
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int h = 0; h < nkv; h++) {
         for (int g = 0; g < G; g++) {
             const int j = h * G + g;
@@ -169,14 +177,27 @@ values_f32(const float *vblock, int64_t row, int t0, int t1, int nkv, int G, con
             for (int t = t0; t < t1; t++) {
                 pf_step(pf);
                 const __m512 w = _mm512_set1_ps(s[j * MAX_BLOCK + t]);
-                const float *v = vblock + (int64_t)t * row + (int64_t)h * D;
-                for (int c = 0; c < D / 16; c++)
-                    av[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), av[c]);
+                const int64_t off = (int64_t)t * row + (int64_t)h * D;
+                if (bf16) { /* (even, odd) halves of each 32-element chunk */
+                    const uint16_t *v = (const uint16_t *)vblock + off;
+                    for (int c = 0; c < D / 32; c++) {
+                        const __m512i x = _mm512_loadu_si512(v + c * 32);
+                        av[2 * c] = _mm512_fmadd_ps(
+                            w, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), av[2 * c]);
+                        av[2 * c + 1] = _mm512_fmadd_ps(
+                            w, _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask)), av[2 * c + 1]);
+                    }
+                } else {
+                    const float *v = (const float *)vblock + off;
+                    for (int c = 0; c < D / 16; c++)
+                        av[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), av[c]);
+                }
             }
             for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(aj + c * 16, av[c]);
         }
     }
 }
+
 #endif
 
 #ifdef PA_BF16_DOT
@@ -220,40 +241,6 @@ scores_bf16(const uint16_t *kblock, int64_t row, int t0, int t1, int nkv, int G,
     }
 }
 
-/* acc_j += sum over tokens [t0, t1) of s[j][t] * v_t, the weights in fp32: each V row is
- * widened in two halves, its even elements (a shift) and its odd ones (a mask), so one
- * shift or AND and one FMA cover 16 elements; acc holds each 32-element chunk as 16 even
- * then 16 odd elements (unpermute_acc restores the order at the end). Widening element by
- * element cost a shuffle per 16 elements on the one shuffle port, and VDPBF16PS on token
- * pairs (the weights rounded to bf16) ran 1.25x slower than this on a Xeon, where it issues
- * at half the FMA rate. */
-static inline __attribute__((always_inline)) void
-values_bf16(const uint16_t *vblock, int64_t row, int t0, int t1, int nkv, int G,
-            const float *s, float *acc, pf_stream *pf, const int D) {
-    const __m512i hi_mask = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (int h = 0; h < nkv; h++) {
-        for (int g = 0; g < G; g++) {
-            const int j = h * G + g;
-            float *aj = acc + (int64_t)j * D;
-            __m512 av[MAX_D / 16];
-            for (int c = 0; c < D / 16; c++) av[c] = _mm512_loadu_ps(aj + c * 16);
-            for (int t = t0; t < t1; t++) {
-                pf_step(pf);
-                const __m512 w = _mm512_set1_ps(s[j * MAX_BLOCK + t]);
-                const uint16_t *v = vblock + (int64_t)t * row + (int64_t)h * D;
-                for (int c = 0; c < D / 32; c++) {
-                    const __m512i x = _mm512_loadu_si512(v + c * 32);
-                    av[2 * c] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
-                                                av[2 * c]);
-                    av[2 * c + 1] = _mm512_fmadd_ps(
-                        w, _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask)), av[2 * c + 1]);
-                }
-            }
-            for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(aj + c * 16, av[c]);
-        }
-    }
-}
-
 /* EO_PERM[0] / [1]: elements 0-15 / 16-31 of a chunk from its (even, odd) vector pair
  * (lanes 16-31 = odd). */
 static const int32_t EO_PERM[2][16] __attribute__((aligned(64))) = {
@@ -261,7 +248,7 @@ static const int32_t EO_PERM[2][16] __attribute__((aligned(64))) = {
     {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31},
 };
 
-/* acc rows from values_bf16's even/odd layout back into element order, in place. */
+/* acc rows from values_vec's bf16 even/odd layout back into element order, in place. */
 static inline __attribute__((always_inline)) void unpermute_acc(float *acc, int nh, const int D) {
     const __m512i p0 = _mm512_load_si512(EO_PERM[0]), p1 = _mm512_load_si512(EO_PERM[1]);
     for (int j = 0; j < nh; j++)
@@ -406,14 +393,14 @@ attend(const args_t *a, int64_t i, int h0, int h1, const int D) {
         block_softmax(s, t0, t1, nh, m, l, acc, D);
 #ifdef PA_BF16_DOT
         if (dot_bf16) {
-            values_bf16((const uint16_t *)a->cache + base + kv_off, row, t0, t1, h1 - h0, G, s,
-                        acc, &pv, D);
+            values_vec((const uint16_t *)a->cache + base + kv_off, row, t0, t1, h1 - h0, G, s,
+                       acc, &pv, D, 1);
         } else
 #endif
 #ifdef PA_F32_VEC
         if (vec_f32) {
-            values_f32((const float *)a->cache + base + kv_off, row, t0, t1, h1 - h0, G, s, acc,
-                       &pv, D);
+            values_vec((const float *)a->cache + base + kv_off, row, t0, t1, h1 - h0, G, s, acc,
+                       &pv, D, 0);
         } else
 #endif
         for (int t = t0; t < t1; t++) { /* values: one V row serves its G query heads */
@@ -430,7 +417,7 @@ attend(const args_t *a, int64_t i, int h0, int h1, const int D) {
         }
     }
 #ifdef PA_BF16_DOT
-    if (dot_bf16) unpermute_acc(acc, nh, D); /* values_bf16's even/odd layout */
+    if (dot_bf16) unpermute_acc(acc, nh, D); /* values_vec's bf16 even/odd layout */
 #endif
     for (int j = 0; j < nh; j++) {
         const float inv = 1.0f / l[j];

@@ -127,7 +127,8 @@ silu_mul_rows(const void *gate_up, int64_t gs, void *out, int64_t os, int64_t ro
             const __m512 two = _mm512_set1_ps(2.0f);
             rcp = _mm512_mul_ps(rcp, _mm512_fnmadd_ps(den, rcp, two));
             rcp = _mm512_mul_ps(rcp, _mm512_fnmadd_ps(den, rcp, two));
-            const __m512 sig = _mm512_mul_ps(_mm512_mask_blend_ps(neg, _mm512_set1_ps(1.0f), e), rcp);
+            const __m512 num = _mm512_mask_blend_ps(neg, _mm512_set1_ps(1.0f), e);
+            const __m512 sig = _mm512_mul_ps(num, rcp);
             const __m512 y = rnd16(_mm512_mul_ps(g, sig), bf16);
             st16(out, o0 + i, _mm512_mul_ps(y, ld16(gate_up, u0 + i, k, bf16)), k, bf16);
         }

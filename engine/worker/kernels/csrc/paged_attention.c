@@ -125,18 +125,29 @@ static inline __attribute__((always_inline)) __m512 sum16(__m512 *p) {
     return p[0];
 }
 
-/* fp32 cache and queries with AVX-512: a score is D/16 FMAs into one vector of partial
- * sums, 16 tokens' vectors reduced together by sum16 (a horizontal sum per token was most
- * of the fp32 step); values keep the accumulator in registers across a block's tokens. */
+/* scores s[j * MAX_BLOCK + t] = scale * q_j . k_t for tokens [t0, t1) of one block, with
+ * AVX-512: each token's dot product is one vector of partial sums (fp32: D/16 FMAs; bf16
+ * with AVX512-BF16: D/32 VDPBF16PS, whose bf16 products are exact in fp32), and 16 tokens'
+ * vectors are reduced together by sum16: a horizontal sum per token was most of the step.
+ * `bf16` is a literal at the call sites. */
 static inline __attribute__((always_inline)) void
-scores_f32(const float *kblock, int64_t row, int t0, int t1, int nkv, int G, const float *q,
-           float scale, float *s, pf_stream *pf, const int D) {
+scores_vec(const void *kblock, int64_t row, int t0, int t1, int nkv, int G, const void *q,
+           float scale, float *s, pf_stream *pf, const int D, const int bf16) {
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int h = 0; h < nkv; h++) {
         for (int g = 0; g < G; g++) {
             const int j = h * G + g;
             __m512 qv[MAX_D / 16];
-            for (int c = 0; c < D / 16; c++) qv[c] = _mm512_loadu_ps(q + (int64_t)j * D + c * 16);
+#ifdef PA_BF16_DOT
+            __m512bh qb[MAX_D / 32];
+            if (bf16)
+                for (int c = 0; c < D / 32; c++)
+                    qb[c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q + (int64_t)j * D +
+                                                         c * 32);
+            else
+#endif
+                for (int c = 0; c < D / 16; c++)
+                    qv[c] = _mm512_loadu_ps((const float *)q + (int64_t)j * D + c * 16);
             for (int t = t0; t < t1; t += 16) {
                 const int m = t1 - t < 16 ? t1 - t : 16;
                 __m512 p[16];
@@ -144,13 +155,24 @@ scores_f32(const float *kblock, int64_t row, int t0, int t1, int nkv, int G, con
                     __m512 acc = _mm512_setzero_ps();
                     if (u < m) {
                         pf_step(pf);
-                        const float *k = kblock + (int64_t)(t + u) * row + (int64_t)h * D;
-                        for (int c = 0; c < D / 16; c++)
-                            acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), acc);
+                        const int64_t off = (int64_t)(t + u) * row + (int64_t)h * D;
+#ifdef PA_BF16_DOT
+                        if (bf16)
+                            for (int c = 0; c < D / 32; c++)
+                                acc = _mm512_dpbf16_ps(
+                                    acc, qb[c],
+                                    (__m512bh)_mm512_loadu_si512((const uint16_t *)kblock + off +
+                                                                 c * 32));
+                        else
+#endif
+                            for (int c = 0; c < D / 16; c++)
+                                acc = _mm512_fmadd_ps(
+                                    qv[c], _mm512_loadu_ps((const float *)kblock + off + c * 16),
+                                    acc);
                     }
                     p[u] = acc;
                 }
-                _mm512_mask_storeu_ps(s + j * MAX_BLOCK + t, (__mmask16)((1u << m) - 1u),
+                _mm512_mask_storeu_ps(s + j * MAX_BLOCK + t, tail16(m),
                                       _mm512_mul_ps(sum16(p), vscale));
             }
         }
@@ -158,8 +180,9 @@ scores_f32(const float *kblock, int64_t row, int t0, int t1, int nkv, int G, con
 }
 
 /* acc_j += sum over tokens [t0, t1) of s[j][t] * v_t, the weights in fp32, the
- * accumulator in registers across the block's tokens. A bf16 V row is widened in two halves, its even elements (a shift) and its odd ones (a mask), so one
- * shift or AND and one FMA cover 16 elements; acc holds each 32-element chunk as 16 even
+ * accumulator in registers across the block's tokens. A bf16 V row is widened in two
+ * halves, its even elements (a shift) and its odd ones (a mask), so one shift or AND and
+ * one FMA cover 16 elements; acc holds each 32-element chunk as 16 even
  * then 16 odd elements (unpermute_acc restores the order at the end). Widening element by
  * element cost a shuffle per 16 elements on the one shuffle port, and VDPBF16PS on token
  * pairs (the weights rounded to bf16) ran 1.25x slower than this on a Xeon, where it issues
@@ -201,46 +224,6 @@ values_vec(const void *vblock, int64_t row, int t0, int t1, int nkv, int G, cons
 #endif
 
 #ifdef PA_BF16_DOT
-/* bf16 cache and bf16 queries with AVX512-BF16 (the bf16 model's decode): a score is
- * VDPBF16PS over D/32 chunks (bf16 products are exact in fp32, summed in fp32, as the
- * scalar path does, in another order), and 16 tokens' partial-sum vectors are reduced
- * together by a permute tree (4 levels, 15 adds) instead of one horizontal sum per token:
- * that reduction, not the cache reads, bounded the scalar path (bf16 ran no faster than
- * fp32 at half the bytes). Values keep exact fp32 FMAs, the accumulator held in registers
- * across a block's tokens. */
-
-/* scores s[j * MAX_BLOCK + t] = scale * q_j . k_t for tokens [t0, t1) of one block. */
-static inline __attribute__((always_inline)) void
-scores_bf16(const uint16_t *kblock, int64_t row, int t0, int t1, int nkv, int G,
-            const uint16_t *q, float scale, float *s, pf_stream *pf, const int D) {
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int h = 0; h < nkv; h++) {
-        for (int g = 0; g < G; g++) {
-            const int j = h * G + g;
-            __m512bh qv[MAX_D / 32];
-            for (int c = 0; c < D / 32; c++)
-                qv[c] = (__m512bh)_mm512_loadu_si512(q + (int64_t)j * D + c * 32);
-            for (int t = t0; t < t1; t += 16) {
-                const int m = t1 - t < 16 ? t1 - t : 16;
-                __m512 p[16];
-                for (int u = 0; u < 16; u++) {
-                    __m512 acc = _mm512_setzero_ps();
-                    if (u < m) {
-                        pf_step(pf);
-                        const uint16_t *k = kblock + (int64_t)(t + u) * row + (int64_t)h * D;
-                        for (int c = 0; c < D / 32; c++)
-                            acc = _mm512_dpbf16_ps(acc, qv[c],
-                                                   (__m512bh)_mm512_loadu_si512(k + c * 32));
-                    }
-                    p[u] = acc;
-                }
-                _mm512_mask_storeu_ps(s + j * MAX_BLOCK + t, (__mmask16)((1u << m) - 1u),
-                                      _mm512_mul_ps(sum16(p), vscale));
-            }
-        }
-    }
-}
-
 /* EO_PERM[0] / [1]: elements 0-15 / 16-31 of a chunk from its (even, odd) vector pair
  * (lanes 16-31 = odd). */
 static const int32_t EO_PERM[2][16] __attribute__((aligned(64))) = {
@@ -329,7 +312,7 @@ attend(const args_t *a, int64_t i, int h0, int h1, const int D) {
     /* fp32 cache and queries, D a literal multiple of 16: the AVX-512 loops */
     const int vec_f32 = PA_HAS_F32_VEC && !a->is_bf16 && !a->q_bf16 && D % 16 == 0;
     const int whole = h1 - h0 == a->Hkv;
-    if (a->q_bf16 && !dot_bf16) { /* (scores_bf16 reads bf16 queries as they are) */
+    if (a->q_bf16 && !dot_bf16) { /* (scores_vec reads bf16 queries as they are) */
         const uint16_t *src = (const uint16_t *)a->q + q0;
 #pragma omp simd
         for (int d = 0; d < nh * D; d++) qbuf[d] = bf16_to_f32(src[d]);
@@ -371,14 +354,14 @@ attend(const args_t *a, int64_t i, int h0, int h1, const int D) {
         }
 #ifdef PA_BF16_DOT
         if (dot_bf16) {
-            scores_bf16((const uint16_t *)a->cache + base, row, t0, t1, h1 - h0, G,
-                        (const uint16_t *)a->q + q0, a->scale, s, &pk, D);
+            scores_vec((const uint16_t *)a->cache + base, row, t0, t1, h1 - h0, G,
+                       (const uint16_t *)a->q + q0, a->scale, s, &pk, D, 1);
         } else
 #endif
 #ifdef PA_F32_VEC
         if (vec_f32) {
-            scores_f32((const float *)a->cache + base, row, t0, t1, h1 - h0, G, qi, a->scale, s,
-                       &pk, D);
+            scores_vec((const float *)a->cache + base, row, t0, t1, h1 - h0, G, qi, a->scale, s,
+                       &pk, D, 0);
         } else
 #endif
         for (int t = t0; t < t1; t++) { /* scores: one K row serves its G query heads */

@@ -19,8 +19,9 @@
  * VDPBF16PS reduced 16 tokens at a time, one vector softmax per block and head, values by
  * FMA with the accumulator in registers), and the next block's lines are prefetched a few
  * per token visited. Decode at 64 rows (W64 on llama50m: 4 KV heads x 64, ~210 tokens, a
- * Xeon's 2 cores) went from 1.35 to 0.63-0.73 ms a layer in bf16 and 2.1-2.7 to 1.5 ms in
- * fp32, about the ~19 GB/s those cores read (bench: see docs/benchmarks.md, 2026-12-06).
+ * Xeon's 2 cores; bench/paged_attention.py) went from 1.20-1.29 to 0.75-0.98 ms a layer in
+ * bf16 and from 2.19-2.44 to 1.47-1.64 ms in fp32: 0.66-0.71x and 0.89-0.94x of what
+ * `torch.sum` reads on those cores (docs/benchmarks.md, 2026-12-06).
  *
  * Layout (engine/worker/attention/base.py): cache [num_blocks, 2, block_size, Hkv, D], K = 0, V = 1,
  * fp32 or bf16; q and out are [*, H, D] with the given row strides, both fp32 or both bf16

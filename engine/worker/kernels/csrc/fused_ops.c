@@ -55,8 +55,7 @@ add_rms_norm_rows(const void *x, int64_t xs, void *residual, int64_t rs, const v
         const int64_t xo = r * xs, ro = r * rs, oo = r * os;
 #ifdef HAVE_VEC512
         add_rms_norm_row16(x, xo, residual, ro, weight, eps, out, oo, n, bf16);
-        continue;
-#endif
+#else
         float ss = 0.0f;
         if (residual) { /* h = x + residual (a bf16 add rounds), stored back as the stream */
 #pragma omp simd reduction(+ : ss)
@@ -78,6 +77,7 @@ add_rms_norm_rows(const void *x, int64_t xs, void *residual, int64_t rs, const v
 #pragma omp simd
         for (int i = 0; i < n; i++) /* transformers: weight * (h * inv).to(dtype) */
             st(out, oo + i, ld(weight, i, bf16) * rnd(ld(h, i, bf16) * inv, bf16), bf16);
+#endif
     }
 }
 
@@ -115,8 +115,9 @@ silu_mul_rows(const void *gate_up, int64_t gs, void *out, int64_t os, int64_t ro
         const int i1 = i0 + SILU_COLS < n ? i0 + SILU_COLS : n;
         const int64_t g0 = r * gs, u0 = g0 + n, o0 = r * os;
 #ifdef HAVE_VEC512
-        /* the same sigmoid, 16 lanes at a time; 1 / (1 + e) by a reciprocal estimate and
-         * two Newton steps (the division issued one lane a cycle and bounded the loop) */
+        /* the same sigmoid, 16 lanes at a time; 1 / (1 + e) by a 14-bit reciprocal estimate
+         * and two Newton steps (the division issued one lane a cycle and bounded the loop;
+         * one step left last-bit errors that moved some bf16 results off torch's) */
         for (int i = i0; i < i1; i += 16) {
             const __mmask16 k = tail16(i1 - i);
             const __m512 g = ld16(gate_up, g0 + i, k, bf16);
@@ -132,8 +133,7 @@ silu_mul_rows(const void *gate_up, int64_t gs, void *out, int64_t os, int64_t ro
             const __m512 y = rnd16(_mm512_mul_ps(g, sig), bf16);
             st16(out, o0 + i, _mm512_mul_ps(y, ld16(gate_up, u0 + i, k, bf16)), k, bf16);
         }
-        continue;
-#endif
+#else
 #pragma omp simd
         for (int i = i0; i < i1; i++) {
             /* sigmoid from e = exp(-|g|) <= 1, so exp never overflows and no lane divides
@@ -144,6 +144,7 @@ silu_mul_rows(const void *gate_up, int64_t gs, void *out, int64_t os, int64_t ro
             /* transformers: silu(gate) is one bf16 op, then a bf16 multiply */
             st(out, o0 + i, rnd(gi * sig, bf16) * ld(gate_up, u0 + i, bf16), bf16);
         }
+#endif
     }
 }
 

@@ -183,11 +183,11 @@ scores_vec(const void *kblock, int64_t row, int t0, int t1, int nkv, int G, cons
 /* acc_j += sum over tokens [t0, t1) of s[j][t] * v_t, the weights in fp32, the
  * accumulator in registers across the block's tokens. A bf16 V row is widened in two
  * halves, its even elements (a shift) and its odd ones (a mask), so one shift or AND and
- * one FMA cover 16 elements; acc holds each 32-element chunk as 16 even
- * then 16 odd elements (unpermute_acc restores the order at the end). Widening element by
- * element cost a shuffle per 16 elements on the one shuffle port, and VDPBF16PS on token
- * pairs (the weights rounded to bf16) ran 1.25x slower than this on a Xeon, where it issues
- * at half the FMA rate. */
+ * one FMA cover 16 elements; acc holds each 32-element chunk as 16 even then 16 odd
+ * elements (unpermute_acc restores the order at the end). Widening element by element cost
+ * a shuffle per 16 elements on the one shuffle port, and VDPBF16PS on token pairs (the
+ * weights rounded to bf16) ran 1.25x slower than this on a Xeon, where it issues at half
+ * the FMA rate. */
 static inline __attribute__((always_inline)) void
 values_vec(const void *vblock, int64_t row, int t0, int t1, int nkv, int G, const float *s,
            float *acc, pf_stream *pf, const int D, const int bf16) {

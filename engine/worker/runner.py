@@ -28,8 +28,10 @@ from engine.worker.pooling.spec import PoolingSpec
 from engine.worker.sampler import (
     PROMPT_LOGPROBS_CHUNK,
     Sampler,
+    SamplerOutput,
     SamplingRow,
     compute_prompt_logprobs,
+    is_plain_greedy,
     make_generator,
     position_seed,
 )
@@ -324,24 +326,51 @@ class ModelRunner:
             return out
         self._prompt_logprobs(inputs, hidden, out)
         if inputs.sample_rows:
-            # Kept in the model's dtype: the sampler widens them when it needs more than a
-            # greedy argmax (a draft model's rejection test reads them in fp32).
-            logits = self.model.compute_logits(
-                _sample_hidden(hidden, inputs), keep_dtype=self.proposer is None
-            )
-            if logits is None:  # a tensor-parallel worker: rank 0 got the logits and samples
-                return out
-            self._sample(inputs, logits, out)
+            rows_hidden = _sample_hidden(hidden, inputs)
+            screened = self._screened_greedy(inputs, rows_hidden)
+            logits = None
+            if screened is None:
+                # Kept in the model's dtype: the sampler widens them when it needs more than
+                # a greedy argmax (a draft model's rejection test reads them in fp32).
+                logits = self.model.compute_logits(rows_hidden, keep_dtype=self.proposer is None)
+                if logits is None:  # a tensor-parallel worker: rank 0 got them and samples
+                    return out
+            self._sample(inputs, logits, out, screened)
         if self.proposer is not None:
             propose_after_step(self.proposer, so, inputs, hidden, self.states, out)
         return out
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, out: RunnerOutput) -> None:
+    def _screened_greedy(
+        self, inputs: StepInputs, rows_hidden: torch.Tensor
+    ) -> tuple[list[SamplingRow], torch.Tensor] | None:
+        """A step whose every row is plain greedy without logprobs, on a model with a greedy
+        screen (models/greedy_screen.py): its rows and their tokens, the fp32 logits never
+        computed. None otherwise, or when the screen could not decide."""
+        screen = getattr(self.model, "greedy_screen", None)
+        if screen is None or inputs.spec_rows or self.proposer is not None:
+            return None
+        rows = [self._sampling_row(self.states[rid]) for rid in inputs.sample_req_ids]
+        if not is_plain_greedy(rows) or any(r.params.logprobs is not None for r in rows):
+            return None
+        token_ids = screen.token_ids(rows_hidden)
+        return None if token_ids is None else (rows, token_ids)
+
+    def _sample(
+        self,
+        inputs: StepInputs,
+        logits: torch.Tensor | None,
+        out: RunnerOutput,
+        screened: tuple[list[SamplingRow], torch.Tensor] | None = None,
+    ) -> None:
         """Samples (and verifies the proposals of) every request with sample rows; appends
-        the tokens to its state and fills `out`. See `engine.worker.spec.verify`."""
+        the tokens to its state and fills `out`. See `engine.worker.spec.verify`. `screened`:
+        the rows and tokens of a screened greedy step (`logits` is then None)."""
         groups = row_groups(inputs.sample_req_ids, inputs.spec_rows)
         states = [self.states[g.req_id] for g in groups]
-        if inputs.spec_rows:
+        if screened is not None:
+            rows, bitmask = screened[0], None
+            sampled = SamplerOutput(screened[1].tolist(), [None] * len(rows))
+        elif inputs.spec_rows:
             bitmask, constrained = self._verify_bitmask(groups, states, logits.shape)
             rows = [
                 self._sampling_row(st, g.drafts[:j], constrained[g.first + j])
@@ -351,7 +380,8 @@ class ModelRunner:
         else:
             bitmask = self._grammar_bitmask(states, logits.shape[1])
             rows = [self._sampling_row(st) for st in states]
-        sampled = self.sampler(logits, rows, bitmask)
+        if screened is None:
+            sampled = self.sampler(logits, rows, bitmask)
         # Grammars in their error state end their request here, not sampled: their mask
         # allows EOS alone, a "stop" that would break the grammar.
         errors = {

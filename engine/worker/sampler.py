@@ -137,7 +137,7 @@ class Sampler:
         if not rows:
             return SamplerOutput([], [])
         failed: dict[int, str] = {}
-        if _is_plain_greedy(rows):  # a bf16 model's logits may come as they are (see below)
+        if is_plain_greedy(rows):  # a bf16 model's logits may come as they are (see below)
             token_ids = row_argmax(logits)
             if any(r.params.logprobs is not None for r in rows):
                 logits = logits.float()
@@ -187,7 +187,8 @@ def _edits_logits(row: SamplingRow) -> bool:
     )
 
 
-def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
+def is_plain_greedy(rows: list[SamplingRow]) -> bool:
+    """Every row greedy with nothing that edits its logits: its token is the plain argmax."""
     return all(r.params.greedy and not _edits_logits(r) for r in rows)
 
 

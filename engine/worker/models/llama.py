@@ -35,6 +35,7 @@ from engine.worker.models.cpu_linear import (
     packing_available,
     small_rows,
 )
+from engine.worker.models.greedy_screen import GreedyScreen, build_greedy_screen
 from engine.worker.models.layers import FusedLinear, RMSNorm, silu_and_mul
 from engine.worker.models.parallel import (
     TensorParallel,
@@ -240,6 +241,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self._packed_embedding: torch.Tensor | None = None  # tied LM head, packed
         self._cpu_fused = False  # forward through models/cpu_fused.py
+        # fp32 on a CPU with native bf16: greedy rows' argmax without the fp32 logits.
+        self.greedy_screen: GreedyScreen | None = None
 
     def enable_cpu_kernels(self) -> str:
         """fp32 or bf16 on the CPU: oneDNN-packed linears (models/cpu_linear.py), and the
@@ -251,11 +254,17 @@ class LlamaForCausalLM(nn.Module):
             self._packed_embedding = pack_weight(self.model.embed_tokens.weight)
             count += 1
         self._cpu_fused = fused.usable(probe)
+        if probe.dtype == torch.float32 and self.has_lm_head and self.tp.size == 1:
+            owner = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+            head = getattr(owner, "weight", None)
+            if isinstance(head, torch.Tensor) and head.dtype == torch.float32 and head.dim() == 2:
+                self.greedy_screen = build_greedy_screen(head[: self.vocab_size])
         if self._cpu_fused:
             self.model.rotary_emb.tables(probe.dtype)  # converted once, before any capture
         return (
             f"{count} {str(probe.dtype).removeprefix('torch.')} linear weights packed, "
-            f"fused elementwise kernels {self._cpu_fused}"
+            f"fused elementwise kernels {self._cpu_fused}, "
+            f"greedy LM-head screen {self.greedy_screen is not None}"
         )
 
     def forward(

@@ -252,3 +252,53 @@ void argmax_rows_bf16(const uint16_t *x, int64_t xs, int64_t rows, int64_t n, in
         out[r] = nan ? first_match(p, n, 0.0f, 1) : first_match(p, n, m, 0);
     }
 }
+
+/* The greedy screen of an fp32 model's LM head (engine/worker/models/greedy_screen.py): x
+ * [rows, n] are bf16 approximations of the logits, each within abs_err[r] + rel * |x| of the
+ * exact one. Row r's candidates are the indices c with x[c] >= max - margin, margin =
+ * (2 * abs_err[r] + 2 * rel * |max|) / (1 - rel): every index whose exact logit may still be
+ * the largest (a lower approximation cannot overtake the maximum's within those errors).
+ * They go, increasing, to idx[r * cap ...]; count[r] is how many, or -1 when there are more
+ * than cap or the row holds a NaN or an infinity (the caller then computes that step's
+ * logits in full). Two passes per row: the maximum, then a vectorized test per chunk of 64
+ * and the scalar collection inside the chunks that hit (a handful in a row of 49,152). */
+void screen_rows_bf16(const uint16_t *x, int64_t xs, int64_t rows, int64_t n,
+                      const float *abs_err, float rel, int64_t cap, int64_t *idx,
+                      int64_t *count, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *p = x + r * xs;
+        float m = -INFINITY, lo = INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(min : lo) reduction(| : nan)
+        for (int64_t c = 0; c < n; c++) {
+            const float v = bf16_to_f32(p[c]);
+            m = v > m ? v : m;
+            lo = v < lo ? v : lo;
+            nan |= v != v;
+        }
+        if (nan || !isfinite(m) || !isfinite(lo)) {
+            count[r] = -1;
+            continue;
+        }
+        const double margin = (2.0 * abs_err[r] + 2.0 * rel * fabs((double)m)) / (1.0 - rel);
+        const float t = (float)((double)m - margin * 1.0001);
+        int64_t k = 0, *out = idx + r * cap;
+        for (int64_t c0 = 0; c0 < n && k >= 0; c0 += 64) {
+            const int64_t c1 = c0 + 64 < n ? c0 + 64 : n;
+            int hit = 0;
+#pragma omp simd reduction(| : hit)
+            for (int64_t c = c0; c < c1; c++) hit |= bf16_to_f32(p[c]) >= t;
+            if (!hit) continue;
+            for (int64_t c = c0; c < c1; c++) {
+                if (bf16_to_f32(p[c]) < t) continue;
+                if (k == cap) {
+                    k = -1;
+                    break;
+                }
+                out[k++] = c;
+            }
+        }
+        count[r] = k;
+    }
+}

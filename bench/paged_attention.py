@@ -72,7 +72,9 @@ def read_speed(nbytes: int, repeats: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--layouts", default="engine,random")
     ap.add_argument("--decoded", type=int, default=64, help="tokens decoded so far (W64: 0-128)")
@@ -102,7 +104,7 @@ def main() -> None:
         for layout in args.layouts.split(","):
             tables = block_tables(lens, args.decoded, layout, pool, rng)
 
-            def one_pass() -> None:
+            def one_pass(caches=caches, q=q, tables=tables, rows=rows, pos=pos, out=out) -> None:
                 for c in caches:
                     paged_attention(q, c, tables, rows, rows, pos, out, HEAD_DIM**-0.5, None)
 

@@ -329,7 +329,9 @@ def main() -> None:
         help="comma list of tiny, llama50m, smollm2 or model dirs (default: %(default)s)",
     )
     ap.add_argument(
-        "--workloads", default="w64", help="comma list of w64, w256-long (default: %(default)s)"
+        "--workloads",
+        default="w64",
+        help="comma list of w64, w64-prefill, w256-long (default: %(default)s)",
     )
     ap.add_argument(
         "--engines", default=",".join(ENGINES), help="comma list (default: %(default)s)"

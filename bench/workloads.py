@@ -5,6 +5,7 @@ exactly the same tokens:
 
 - `w64`: 64 requests, prompt lengths uniform in [32, 256], 128 output tokens each, ignore
   EOS, greedy, all submitted at once.
+- `w64-prefill`: W64's prompts with one output token each (prefill speed alone).
 - `w256-long`: 256 requests, prompts uniform in [100, 1024], outputs uniform in [100, 1024]
   (nano-vllm's benchmark). `scale` multiplies the request count and `len_scale` the upper
   ends of both length ranges (lower end stays 100) so the workload fits a small machine.
@@ -39,7 +40,7 @@ import json
 import random
 import shutil
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +152,15 @@ def shared_prefix(
 def make_workload(name: str, vocab: int, seed: int = 0, **kw: Any) -> Workload:
     if name == "w64":
         return w64(vocab, seed, **kw)
+    if name == "w64-prefill":  # W64's prompts, one output token each: prefill alone
+        return replace(w64(vocab, seed, output_len=1, **kw), name="w64-prefill")
     if name == "w256-long":
         return w256_long(vocab, seed, **kw)
     if name == "shared-prefix":
         return shared_prefix(vocab, seed, **kw)
-    raise ValueError(f"unknown workload {name!r}; choose from w64, w256-long, shared-prefix")
+    raise ValueError(
+        f"unknown workload {name!r}; choose from w64, w64-prefill, w256-long, shared-prefix"
+    )
 
 
 # ---- models --------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "quant_dequantize": [_ptr, _i32, _i64, _i64, _ptr, _i32],
     "quant_dequantize_bf16": [_ptr, _i32, _i64, _i64, _ptr, _i32],
     "argmax_rows_bf16": [_ptr, _i64, _i64, _i64, _ptr, _i32],
-    "screen_rows_bf16": [_ptr, _i64, _i64, _i64, _ptr, _f32, _i64, _ptr, _ptr, _i32],
+    "screen_rows_bf16": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _i64, _ptr,
+                         _ptr, _i32],
 }  # fmt: skip
 
 _RETURNS_INT = (

@@ -105,21 +105,30 @@ def argmax_rows_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def screen_rows_bf16(
-    x: torch.Tensor, abs_err: torch.Tensor, rel: float, cap: int
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    wn: torch.Tensor,
+    wr: torch.Tensor,
+    rel: float,
+    cap: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidates of each row of approximate logits x [N, V] bf16 (unit stride along V):
-    every index within the row's error margin of its maximum (csrc/fused_ops.c,
-    `screen_rows_bf16`). Returns (idx [N, cap] int64, increasing, only the first count[r]
-    of row r set; count [N] int64, -1 where a row has more than `cap` candidates, a NaN or an
-    infinity). `abs_err` [N] fp32: each row's absolute error bound; `rel`: the relative one."""
+    every index whose exact logit may be the row's largest, the exact logit of index c in
+    row r being within alpha[r] * wn[c] + beta[r] * wr[c] + rel * |x[r, c]| of x[r, c]
+    (csrc/fused_ops.c, `screen_rows_bf16`). alpha, beta [N] and wn, wr [V]: fp32. Returns
+    (idx [N, cap] int64, increasing, only the first count[r] of row r set; count [N] int64,
+    -1 where a row has more than `cap` candidates, a NaN or an infinity)."""
     lib = library()
     assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1
-    abs_err = abs_err.to(torch.float32).contiguous()
-    assert abs_err.shape == (x.shape[0],)
-    idx = torch.zeros(x.shape[0], cap, dtype=torch.int64)
-    count = torch.empty(x.shape[0], dtype=torch.int64)
+    n, v = x.shape
+    alpha, beta = (t.to(torch.float32).contiguous() for t in (alpha, beta))
+    wn, wr = (t.to(torch.float32).contiguous() for t in (wn, wr))
+    assert alpha.shape == beta.shape == (n,) and wn.shape == wr.shape == (v,)
+    idx = torch.zeros(n, cap, dtype=torch.int64)
+    count = torch.empty(n, dtype=torch.int64)
     lib.screen_rows_bf16(
-        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], abs_err.data_ptr(), rel, cap,
-        idx.data_ptr(), count.data_ptr(), torch.get_num_threads(),
+        x.data_ptr(), x.stride(0), n, v, alpha.data_ptr(), beta.data_ptr(), wn.data_ptr(),
+        wr.data_ptr(), rel, cap, idx.data_ptr(), count.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return idx, count

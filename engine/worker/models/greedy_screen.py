@@ -7,14 +7,14 @@ CPU that computes bf16 natively (`cpu_features.native_bf16`) an fp32 model keeps
 of its LM head (half the fp32 head's bytes more in memory, logged at start) and a greedy step:
 
 1. computes the logits in bf16 (`a_j`, fp32 accumulation, rounded to bf16 on output);
-2. bounds their error. With u = 2^-8 (bf16's unit roundoff) each product of rounded inputs
-   is off by at most (2u + u^2) |x_i w_ji|, the fp32 sums by gamma_K = K 2^-24 / (1 - K
-   2^-24) of the same sum (for ours and for the fp32 logits we compare against), and
-   sum |x_i w_ji| <= ||x|| ||w_j|| (Cauchy-Schwarz) <= ||x|| max_j ||w_j||. So |a_j - z_j|
-   <= A + rel |a_j| with A = (2u + u^2 + 2 gamma_K) ||x|| max_j ||w_j|| (times 1.25 for
-   slack) and rel = 2^-8 for the output rounding;
-3. keeps every index whose exact logit may still be the largest (`screen_rows_bf16` in
-   csrc/fused_ops.c: a_j >= max - (2A + 2 rel |max|) / (1 - rel));
+2. bounds each one's error, exactly as the rounding went: x.w_j - x~.w~_j = (x - x~).w_j +
+   x~.(w_j - w~_j), so by Cauchy-Schwarz |a_j - z_j| <= ||x - x~|| ||w_j|| + ||x~|| ||w_j -
+   w~_j|| (the residual norms measured, per step for the row, once for the head's rows),
+   plus gamma_K = K 2^-24 / (1 - K 2^-24) of ||x|| ||w_j|| for each of the two fp32 sums
+   (the bf16 GEMM's and the fp32 logits' we compare against) and 2^-8 |a_j| for rounding
+   the sums to bf16; all times 1.01 for the roundings of the bound itself;
+3. keeps every index whose upper bound reaches the row's largest lower bound
+   (`screen_rows_bf16` in csrc/fused_ops.c): the exact maximum is among them;
 4. recomputes those candidates in fp32 and takes their argmax (the first index on ties,
    as the full path's).
 
@@ -38,9 +38,8 @@ from engine.worker.models.cpu_linear import pack_weight, packed_linear, packing_
 
 logger = logging.getLogger(__name__)
 
-BF16_UNIT = 2.0**-8  # bf16 keeps 8 significant bits: rounding is off by <= 2^-8 relative
 OUTPUT_REL = 2.0**-8  # rounding the fp32 sums to bf16 logits (2^-9, doubled for slack)
-SLACK = 1.25
+SLACK = 1.01
 CAP = 128  # candidates per row before the step falls back to the full logits
 
 
@@ -54,11 +53,14 @@ class GreedyScreen:
             raise ValueError(f"the screen takes an fp32 [V, K] weight, not {weight.dtype}")
         self.weight = weight.detach()
         self.vocab, k = self.weight.shape
-        self.packed = pack_weight(self.weight.to(torch.bfloat16))
-        gamma = k * 2.0**-24 / (1.0 - k * 2.0**-24)
-        max_norm = float(self.weight.norm(dim=1).max())
-        self._abs_per_norm = (2 * BF16_UNIT + BF16_UNIT**2 + 2 * gamma) * max_norm * SLACK
-        self.extra_bytes = self.weight.numel() * 2
+        rounded = self.weight.to(torch.bfloat16)
+        self.packed = pack_weight(rounded)
+        w64, r64 = self.weight.double(), rounded.double()
+        # Per vocabulary row: a norm bounding both ||w_j|| and ||w~_j||, and ||w_j - w~_j||.
+        self.w_norm = (torch.maximum(w64.norm(dim=1), r64.norm(dim=1)) * SLACK).float()
+        self.w_resid = ((w64 - r64).norm(dim=1) * SLACK).float()
+        self._gamma = k * 2.0**-24 / (1.0 - k * 2.0**-24)
+        self.extra_bytes = self.weight.numel() * 2 + 2 * self.vocab * 4
 
     @staticmethod
     def available() -> str | None:
@@ -81,9 +83,14 @@ class GreedyScreen:
         if hidden.dtype != torch.float32 or n == 0:
             return None
         hidden = hidden.contiguous()
-        approx = packed_linear(hidden.to(torch.bfloat16), self.packed, None, self.vocab)
-        abs_err = hidden.norm(dim=1).mul_(self._abs_per_norm).add_(1e-30)
-        idx, count = fused.screen_rows_bf16(approx, abs_err, OUTPUT_REL, CAP)
+        rounded = hidden.to(torch.bfloat16)
+        approx = packed_linear(rounded, self.packed, None, self.vocab)
+        wide = rounded.float()
+        x_norm, r_norm = hidden.norm(dim=1), wide.norm(dim=1)
+        alpha = ((hidden - wide).norm(dim=1) + self._gamma * (x_norm + r_norm)) * SLACK
+        idx, count = fused.screen_rows_bf16(
+            approx, alpha, r_norm * SLACK, self.w_norm, self.w_resid, OUTPUT_REL, CAP
+        )
         if bool((count < 1).any()):
             return None
         if int(count.max()) == 1:

@@ -13,6 +13,7 @@
  * fp32 on load and rounded back where transformers' bf16 forward rounds (bf16.h), so the
  * bf16 path reads and writes half the bytes and still tracks transformers in bf16.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -254,44 +255,54 @@ void argmax_rows_bf16(const uint16_t *x, int64_t xs, int64_t rows, int64_t n, in
 }
 
 /* The greedy screen of an fp32 model's LM head (engine/worker/models/greedy_screen.py): x
- * [rows, n] are bf16 approximations of the logits, each within abs_err[r] + rel * |x| of the
- * exact one. Row r's candidates are the indices c with x[c] >= max - margin, margin =
- * (2 * abs_err[r] + 2 * rel * |max|) / (1 - rel): every index whose exact logit may still be
- * the largest (a lower approximation cannot overtake the maximum's within those errors).
- * They go, increasing, to idx[r * cap ...]; count[r] is how many, or -1 when there are more
- * than cap or the row holds a NaN or an infinity (the caller then computes that step's
- * logits in full). Two passes per row: the maximum, then a vectorized test per chunk of 64
- * and the scalar collection inside the chunks that hit (a handful in a row of 49,152). */
+ * [rows, n] are bf16 approximations of the logits; the exact logit of index c in row r lies
+ * within e = alpha[r] * wn[c] + beta[r] * wr[c] + rel * |x[c]| of x[c]. Row r's candidates
+ * are the indices whose upper bound x[c] + e reaches the largest lower bound x[c'] - e' of
+ * the row: every index that may hold the exact maximum. They go, increasing, to
+ * idx[r * cap ...]; count[r] is how many, or -1 when there are more than cap or the row holds
+ * a NaN or an infinity (the caller then computes that step's logits in full). Two passes per
+ * row: the largest lower bound, then a vectorized test per chunk of 64 and the scalar
+ * collection inside the chunks that hit (a handful in a row of 49,152). */
+static inline __attribute__((always_inline)) float
+screen_err(float a, float alpha, float beta, float wn, float wr, float rel) {
+    return alpha * wn + beta * wr + rel * fabsf(a);
+}
+
 void screen_rows_bf16(const uint16_t *x, int64_t xs, int64_t rows, int64_t n,
-                      const float *abs_err, float rel, int64_t cap, int64_t *idx,
-                      int64_t *count, int num_threads) {
+                      const float *alpha, const float *beta, const float *wn, const float *wr,
+                      float rel, int64_t cap, int64_t *idx, int64_t *count, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *p = x + r * xs;
-        float m = -INFINITY, lo = INFINITY;
-        int nan = 0;
-#pragma omp simd reduction(max : m) reduction(min : lo) reduction(| : nan)
+        const float al = alpha[r], be = beta[r];
+        float lo = -INFINITY, hi = -INFINITY;
+        int bad = 0;
+#pragma omp simd reduction(max : lo, hi) reduction(| : bad)
         for (int64_t c = 0; c < n; c++) {
-            const float v = bf16_to_f32(p[c]);
-            m = v > m ? v : m;
-            lo = v < lo ? v : lo;
-            nan |= v != v;
+            const float a = bf16_to_f32(p[c]);
+            const float e = screen_err(a, al, be, wn[c], wr[c], rel);
+            lo = a - e > lo ? a - e : lo;
+            hi = a > hi ? a : hi;
+            bad |= !(fabsf(a) <= FLT_MAX); /* NaN or an infinity */
         }
-        if (nan || !isfinite(m) || !isfinite(lo)) {
+        if (bad || !isfinite(lo)) {
             count[r] = -1;
             continue;
         }
-        const double margin = (2.0 * abs_err[r] + 2.0 * rel * fabs((double)m)) / (1.0 - rel);
-        const float t = (float)((double)m - margin * 1.0001);
+        const float t = lo - fabsf(lo) * 1e-5f - 1e-30f; /* slack for this pass's roundings */
         int64_t k = 0, *out = idx + r * cap;
         for (int64_t c0 = 0; c0 < n && k >= 0; c0 += 64) {
             const int64_t c1 = c0 + 64 < n ? c0 + 64 : n;
             int hit = 0;
 #pragma omp simd reduction(| : hit)
-            for (int64_t c = c0; c < c1; c++) hit |= bf16_to_f32(p[c]) >= t;
+            for (int64_t c = c0; c < c1; c++) {
+                const float a = bf16_to_f32(p[c]);
+                hit |= a + screen_err(a, al, be, wn[c], wr[c], rel) >= t;
+            }
             if (!hit) continue;
             for (int64_t c = c0; c < c1; c++) {
-                if (bf16_to_f32(p[c]) < t) continue;
+                const float a = bf16_to_f32(p[c]);
+                if (a + screen_err(a, al, be, wn[c], wr[c], rel) < t) continue;
                 if (k == cap) {
                     k = -1;
                     break;

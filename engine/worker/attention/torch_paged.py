@@ -198,10 +198,12 @@ class TorchPagedBackend(AttentionBackend):
         return plan.items
 
     def _attend_native(self, q, k, v, kv_cache, md: AttentionMetadata, layer, plan: _StepPlan):
-        """Decode rows in one kernel call reading the cache in place; prefill chunks by SDPA.
+        """Decode rows in one kernel call reading the cache in place; prefill chunks that are
+        their request's whole context in one call of the prefill kernel (`_native_chunk`),
+        the others (a cached prefix, a window, long bf16 chunks) by SDPA each.
 
-        The kernel handles one query row at a time, which is right for decode (memory-bound)
-        but wastes SDPA's blocked matmuls on a chunk of many queries (compute-bound). A
+        The row kernel handles one query row at a time, which is right for decode (memory-
+        bound) but wastes blocked matmuls on a chunk of many queries (compute-bound). A
         chunk of at most `ROW_CHUNK_MAX` tokens (a request verifying speculative proposals)
         is memory-bound too: its rows join the decode rows, each seeing keys up to its own
         position, so a verify step of many requests is one kernel call, not one SDPA each."""
@@ -215,7 +217,16 @@ class TorchPagedBackend(AttentionBackend):
                 layer.sliding_window,
             )  # fmt: skip
         if plan.token_req is not None:
-            for r, start, end in _split_plan(plan, md, ROW_CHUNK_MAX).prefills:
+            prefills = _split_plan(plan, md, ROW_CHUNK_MAX).prefills
+            whole = [
+                (start, end)
+                for r, start, end in prefills
+                if _native_chunk(md, layer, q, r, end - start)
+            ]
+            if whole and native.prefill_attention(q, k, v, out, whole, layer.scale):
+                done = set(whole)
+                prefills = [c for c in prefills if (c[1], c[2]) not in done]
+            for r, start, end in prefills:
                 kv = (k[start:end], v[start:end])
                 out[start:end] = self._attend_chunk(q[start:end], kv_cache, md, layer, r, kv)
         return out
@@ -344,6 +355,24 @@ class _Split:
 
 # Chunks of at most this many tokens run row by row in the native kernel (see _attend_native).
 ROW_CHUNK_MAX = 17
+# Longer bf16 chunks go to SDPA, whose AMX/bf16 GEMMs beat the prefill kernel's fp32 FMAs
+# alone (n=256: 0.41 against 0.64-0.72 ms; Xeon with AMX, 2 threads). Up to it the kernel
+# wins in place: W64's 14 chunks of 32-256 tokens a step took 2.9 ms in one call against
+# 6.0-7.3 ms for one SDPA call each (SDPA alone 0.25 ms for 150 tokens, in a loop over
+# different chunks ~2.5x that). fp32 chunks of any length take the kernel (n=150: 0.24 against
+# 0.44-0.54 ms; n=1024: 6.8 against 9.2-9.5 ms).
+BF16_KERNEL_CHUNK_MAX = 256
+
+
+def _native_chunk(
+    md: AttentionMetadata, layer: AttentionLayerSpec, q: torch.Tensor, r: int, n: int
+) -> bool:
+    """Whether request r's prefill chunk of n tokens goes to the prefill kernel
+    (csrc/prefill_attention.c): the chunk is its whole context (no cached prefix, no earlier
+    chunk), no sliding window, and in bf16 at most BF16_KERNEL_CHUNK_MAX tokens."""
+    if md.seq_lens_cpu[r] != n or layer.sliding_window is not None:
+        return False
+    return q.dtype == torch.float32 or n <= BF16_KERNEL_CHUNK_MAX
 
 
 def _split_plan(plan: _StepPlan, md: AttentionMetadata, row_chunk_max: int = 1) -> _Split:

@@ -63,6 +63,37 @@ def paged_attention(
         raise ValueError("paged_attention: shape past the kernel's limits")
 
 
+def prefill_attention(
+    q: torch.Tensor,  # [T, H, D] fp32 or bf16, rows [H, D] contiguous
+    k: torch.Tensor,  # [T, Hkv, D] q's dtype, rows [Hkv, D] contiguous
+    v: torch.Tensor,  # [T, Hkv, D]
+    out: torch.Tensor,  # [T, H, D] q's dtype, written at the chunks' rows only
+    chunks: list[tuple[int, int]],  # (start, end) rows of q/k/v: each a whole context
+    scale: float,
+) -> bool:
+    """Causal attention of each chunk over its own keys (csrc/prefill_attention.c), all in
+    one call. False when the kernel does not serve this shape (no AVX-512 build, a head size
+    not a multiple of 64): the caller attends them another way."""
+    lib = library()
+    H, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    if lib is None or not chunks or D % 64 or H % Hkv or not q.dtype == k.dtype == v.dtype:
+        return False
+    assert out.dtype == q.dtype and q.dtype in (torch.float32, torch.bfloat16)
+    for t in (q, k, v, out):
+        assert t.stride(2) == 1 and t.stride(1) == D, "rows must be [heads, D] contiguous"
+    bounds = torch.tensor(chunks, dtype=torch.int64).reshape(-1, 2)
+    starts = bounds[:, 0].contiguous()
+    lens = (bounds[:, 1] - bounds[:, 0]).contiguous()
+    rc = lib.prefill_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        out.data_ptr(), out.stride(0), starts.data_ptr(), lens.data_ptr(), len(chunks), H, Hkv,
+        D, float(scale), int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -2:
+        raise MemoryError("prefill_attention: no memory for a chunk's scratch")
+    return rc == 0
+
+
 def can_write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether `write_kv` can store these rows (CPU, one dtype, unit inner strides)."""
     return (

@@ -49,7 +49,15 @@ static inline __attribute__((always_inline)) __m256i to_bf16x16(__m512 f) {
 
 /* round_bf16 (bf16.h) on 16 lanes: the value a bf16 tensor op would hold, as fp32. */
 static inline __attribute__((always_inline)) __m512 round_bf16x16(__m512 f) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(f)), 16));
+    /* to_bf16x16's rounding kept in 32-bit lanes (the low half cleared), which spares the
+     * narrowing and the widening back (port-5 shuffles) */
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb),
+                                 _mm512_set1_epi32((int)0xFFFF0000u));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7FC00000));
+    return _mm512_castsi512_ps(r);
 }
 
 /* rnd (bf16.h): round_bf16x16 when `bf16`, else f (a literal at every call site). */

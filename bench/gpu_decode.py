@@ -127,7 +127,7 @@ def decode_modes(model, backend, dev: torch.device, batches: list[int], context:
 
 def bench_decode(dims: dict, dev: torch.device, batches: list[int], context: int, steps: int,
                  res: dict, save: Callable[[], None]) -> None:  # fmt: skip
-    from engine.worker.runner import select_attention_backend
+    from engine.worker.attention.selection import select_attention_backend
 
     dtype = torch.bfloat16
     t0 = time.perf_counter()

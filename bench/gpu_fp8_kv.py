@@ -132,8 +132,8 @@ def fp8_kv_check(
     on an error, or at the end when `check_fidelity` fails."""
     from bench.gpu_decode import decode_modes
     from engine.worker.attention import flashinfer_aot as aot
+    from engine.worker.attention.selection import select_attention_backend
     from engine.worker.kv_sizing import KVGeometry
-    from engine.worker.runner import select_attention_backend
 
     dtype = next(model.parameters()).dtype
     geo = {str(kv).removeprefix("torch."): KVGeometry.of(model, BLOCK, kv).bytes_per_block

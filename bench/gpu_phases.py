@@ -108,7 +108,7 @@ def phase_jit(dry: bool) -> dict:
     import torch
 
     from engine.worker.attention import flashinfer_aot as aot
-    from engine.worker.runner import select_attention_backend
+    from engine.worker.attention.selection import select_attention_backend
 
     dev, dtype = _device(dry), torch.bfloat16
     modules = aot.required_modules([128], [dtype])
@@ -284,8 +284,8 @@ def _fp8_linears(model, dev, dry: bool) -> dict:
 
     from bench.gpu_decode import decode_rate
     from engine.worker.attention.base import ForwardContext
+    from engine.worker.attention.selection import select_attention_backend
     from engine.worker.quant.fp8 import to_fp8
-    from engine.worker.runner import select_attention_backend
 
     dtype = torch.bfloat16
     context, steps, per_seq, block = 128, 8 if dry else 64, 16, 16

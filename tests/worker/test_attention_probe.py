@@ -15,8 +15,9 @@ import torch
 from engine.config import ConfigError, ModelConfig, RuntimeConfig
 from engine.worker.attention.base import AttentionLayerSpec
 from engine.worker.attention.probe import AttentionProbeError, probe_attention
+from engine.worker.attention.selection import select_attention_backend
 from engine.worker.models.loader import load_model
-from engine.worker.runner import ModelRunner, select_attention_backend
+from engine.worker.runner import ModelRunner
 from tests.support.fake_flashinfer import FakeFlashInfer, _FakePrefill, _FakeWrapper
 from tests.support.fake_graphs import ReplayGraph
 

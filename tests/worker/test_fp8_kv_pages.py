@@ -31,12 +31,13 @@ from engine.worker.attention.kv_dtype import (
     to_page_values,
 )
 from engine.worker.attention.probe import AttentionProbeError, probe_attention
+from engine.worker.attention.selection import select_attention_backend
 from engine.worker.attention.torch_paged import TorchPagedBackend
 from engine.worker.decode_graphs import GraphRunner
 from engine.worker.kv_sizing import KVGeometry, num_blocks_for_cpu, num_blocks_for_gpu
 from engine.worker.models.loader import load_model
 from engine.worker.quant.fp8 import check_kv_dtype
-from engine.worker.runner import ModelRunner, select_attention_backend
+from engine.worker.runner import ModelRunner
 from tests.support.fake_flashinfer import FakeFlashInfer, _FakePrefill, _FakeWrapper, fake_backend
 from tests.support.fake_graphs import ReplayGraph
 from tests.support.graph_equality import check_graph_decode, long_prompts

@@ -109,7 +109,7 @@ def test_graph_replays_equal_padded_eager_and_track_unpadded_eager(
 def test_start_up_probe_passes_with_llama_3_8b_heads():
     """The probe runtime.attention_backend runs at start-up, on the real FlashInfer: a GQA
     group of 4 (tensor-core decode), head_dim 128, bf16, FA2 prefill."""
-    from engine.worker.runner import select_attention_backend
+    from engine.worker.attention.selection import select_attention_backend
 
     spec = AttentionLayerSpec(32, 8, 128, 128**-0.5)
     choice = select_attention_backend(CUDA, torch.bfloat16, setting="auto", specs=[spec],

@@ -54,7 +54,7 @@ def fp8_capable(device: torch.device) -> bool:
 def check_kv_dtype(kv_dtype: str, device: torch.device) -> None:
     """`cache.kv_dtype`: auto always; fp8_e4m3 refused at start where fp8 does not run (a
     CPU, a GPU below sm 89). The pages also need FlashInfer: the runner's backend choice
-    refuses the torch backend for them (`engine.worker.runner.select_attention_backend`)."""
+    refuses the torch backend for them (`engine.worker.attention.selection.select_attention_backend`)."""
     if kv_dtype == "auto":
         return
     check_fp8_device(device, "cache.kv_dtype")

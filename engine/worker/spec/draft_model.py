@@ -27,8 +27,8 @@ import torch
 
 from engine.config import RuntimeConfig
 from engine.worker.attention.base import ForwardContext
+from engine.worker.attention.selection import select_attention_backend
 from engine.worker.input_batch import build_attention_metadata
-from engine.worker.runner import select_attention_backend
 from engine.worker.sampler import position_seed, row_argmax
 from engine.worker.spec.proposer import ProposeContext, WorkerProposer
 

@@ -44,6 +44,8 @@ class _StepPlan:
     # The native kernel's partition: short chunks (speculative verify steps) go row by row.
     native_split: _Split | None = None
     items: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # native kernel
+    # (dtype, window) -> (chunks for the prefill kernel, the other prefill chunks)
+    prefill_kernel: dict[tuple, tuple[list, list]] = field(default_factory=dict)
 
     def blocked_mask(self, window: int | None) -> torch.Tensor:
         """Boolean [R, 1, 1, Q, L], True where a query may NOT see a key (None = no window)."""
@@ -199,7 +201,7 @@ class TorchPagedBackend(AttentionBackend):
 
     def _attend_native(self, q, k, v, kv_cache, md: AttentionMetadata, layer, plan: _StepPlan):
         """Decode rows in one kernel call reading the cache in place; prefill chunks that are
-        their request's whole context in one call of the prefill kernel (`_native_chunk`),
+        their request's whole context in one call of the prefill kernel (`_kernel_chunks`),
         the others (a cached prefix, a window, long bf16 chunks) by SDPA each.
 
         The row kernel handles one query row at a time, which is right for decode (memory-
@@ -217,15 +219,9 @@ class TorchPagedBackend(AttentionBackend):
                 layer.sliding_window,
             )  # fmt: skip
         if plan.token_req is not None:
-            prefills = _split_plan(plan, md, ROW_CHUNK_MAX).prefills
-            whole = [
-                (start, end)
-                for r, start, end in prefills
-                if _native_chunk(md, layer, q, r, end - start)
-            ]
-            if whole and native.prefill_attention(q, k, v, out, whole, layer.scale):
-                done = set(whole)
-                prefills = [c for c in prefills if (c[1], c[2]) not in done]
+            whole, prefills = _kernel_chunks(plan, md, layer, q.dtype)
+            if not (whole and native.prefill_attention(q, k, v, out, whole, layer.scale)):
+                prefills = _split_plan(plan, md, ROW_CHUNK_MAX).prefills
             for r, start, end in prefills:
                 kv = (k[start:end], v[start:end])
                 out[start:end] = self._attend_chunk(q[start:end], kv_cache, md, layer, r, kv)
@@ -364,15 +360,26 @@ ROW_CHUNK_MAX = 17
 BF16_KERNEL_CHUNK_MAX = 256
 
 
-def _native_chunk(
-    md: AttentionMetadata, layer: AttentionLayerSpec, q: torch.Tensor, r: int, n: int
-) -> bool:
-    """Whether request r's prefill chunk of n tokens goes to the prefill kernel
-    (csrc/prefill_attention.c): the chunk is its whole context (no cached prefix, no earlier
-    chunk), no sliding window, and in bf16 at most BF16_KERNEL_CHUNK_MAX tokens."""
-    if md.seq_lens_cpu[r] != n or layer.sliding_window is not None:
-        return False
-    return q.dtype == torch.float32 or n <= BF16_KERNEL_CHUNK_MAX
+def _kernel_chunks(
+    plan: _StepPlan, md: AttentionMetadata, layer: AttentionLayerSpec, dtype: torch.dtype
+) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """The step's prefill chunks split for the prefill kernel (csrc/prefill_attention.c):
+    its (start, end) rows, and the (request, start, end) chunks left to SDPA. A chunk goes to
+    the kernel when it is its request's whole context (no cached prefix, no earlier chunk),
+    the layer has no sliding window, and in bf16 it has at most BF16_KERNEL_CHUNK_MAX tokens.
+    Built once per step for each (dtype, window), shared by the layers."""
+    key = (dtype, layer.sliding_window)
+    if key not in plan.prefill_kernel:
+        kernel, rest = [], []
+        for r, start, end in _split_plan(plan, md, ROW_CHUNK_MAX).prefills:
+            n = end - start
+            whole = md.seq_lens_cpu[r] == n and layer.sliding_window is None
+            if whole and (dtype == torch.float32 or n <= BF16_KERNEL_CHUNK_MAX):
+                kernel.append((start, end))
+            else:
+                rest.append((r, start, end))
+        plan.prefill_kernel[key] = (kernel, rest)
+    return plan.prefill_kernel[key]
 
 
 def _split_plan(plan: _StepPlan, md: AttentionMetadata, row_chunk_max: int = 1) -> _Split:

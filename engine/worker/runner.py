@@ -252,7 +252,7 @@ class ModelRunner:
             rows_hidden = _sample_hidden(hidden, inputs)
             screened = self._screened_greedy(inputs, rows_hidden)
             logits = None
-            if screened is None:
+            if screened is None or screened[1] is None:
                 # Kept in the model's dtype: the sampler widens them when it needs more than
                 # a greedy argmax (a draft model's rejection test reads them in fp32).
                 logits = self.model.compute_logits(rows_hidden, keep_dtype=self.proposer is None)
@@ -265,32 +265,33 @@ class ModelRunner:
 
     def _screened_greedy(
         self, inputs: StepInputs, rows_hidden: torch.Tensor
-    ) -> tuple[list[SamplingRow], torch.Tensor] | None:
-        """A step whose every row is plain greedy without logprobs, on a model with a greedy
-        screen (models/greedy_screen.py): its rows and their tokens, the fp32 logits never
-        computed. None otherwise, or when the screen could not decide."""
+    ) -> tuple[list[SamplingRow], torch.Tensor | None] | None:
+        """On a model with a greedy screen (models/greedy_screen.py), a step without
+        speculation: its sampling rows and, when every row is plain greedy without logprobs
+        and the screen decided, their tokens (the fp32 logits never computed; else None,
+        the rows kept for the sampler). None without a screen or with speculation."""
         screen = getattr(self.model, "greedy_screen", None)
         if screen is None or inputs.spec_rows or self.proposer is not None:
             return None
         rows = [self._sampling_row(self.states[rid]) for rid in inputs.sample_req_ids]
         if not is_plain_greedy(rows) or any(r.params.logprobs is not None for r in rows):
-            return None
-        token_ids = screen.token_ids(rows_hidden)
-        return None if token_ids is None else (rows, token_ids)
+            return rows, None
+        return rows, screen.token_ids(rows_hidden)
 
     def _sample(
         self,
         inputs: StepInputs,
         logits: torch.Tensor | None,
         out: RunnerOutput,
-        screened: tuple[list[SamplingRow], torch.Tensor] | None = None,
+        screened: tuple[list[SamplingRow], torch.Tensor | None] | None = None,
     ) -> None:
         """Samples (and verifies the proposals of) every request with sample rows; appends
         the tokens to its state and fills `out`. See `engine.worker.spec.verify`. `screened`:
-        the rows and tokens of a screened greedy step (`logits` is then None)."""
+        what `_screened_greedy` built, the step's rows and, for a screened greedy step, its
+        tokens (`logits` is then None)."""
         groups = row_groups(inputs.sample_req_ids, inputs.spec_rows)
         states = [self.states[g.req_id] for g in groups]
-        if screened is not None:
+        if screened is not None and screened[1] is not None:
             rows, bitmask = screened[0], None
             sampled = SamplerOutput(screened[1].tolist(), [None] * len(rows))
         elif inputs.spec_rows:
@@ -302,8 +303,8 @@ class ModelRunner:
             ]
         else:
             bitmask = self._grammar_bitmask(states, logits.shape[1])
-            rows = [self._sampling_row(st) for st in states]
-        if screened is None:
+            rows = screened[0] if screened else [self._sampling_row(st) for st in states]
+        if screened is None or screened[1] is None:
             sampled = self.sampler(logits, rows, bitmask)
         # Grammars in their error state end their request here, not sampled: their mask
         # allows EOS alone, a "stop" that would break the grammar.

@@ -36,6 +36,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 WHEELS=("flashinfer-python==0.7.2.post1" "apache-tvm-ffi==0.1.15.post2")
+# What the engine and the served phase import that the device image lacks (llguidance and
+# xxhash are imported by `from engine import LLM`; the server needs starlette, uvicorn,
+# pydantic; the committed gRPC stubs need grpcio >= 1.85.1 and protobuf >= 7.35.1), at the
+# versions the CPU venv runs. Installed with --no-deps into $SITE, ahead of the image's own.
+DEPS=("llguidance==1.9.1" "xxhash==4.1.0" "starlette==1.10.0" "uvicorn==0.55.0"
+      "pydantic==2.14.4" "pydantic_core==2.50.5" "annotated-types==0.8.0"
+      "typing-inspection==0.4.5" "typing_extensions==4.16.0" "grpcio==1.85.4"
+      "grpcio-health-checking==1.85.1" "grpcio-reflection==1.85.1" "protobuf==7.36.2"
+      "googleapis-common-protos==1.76.0" "gguf==0.19.0")
 CARRY=.gpu
 SITE=/tmp/gpu_site
 PY=${PY:-python3}
@@ -56,16 +65,22 @@ prepare() {  # on the CPU box: the trimmed FlashInfer and the tvm-ffi wheel, in 
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dl" \
         "${WHEELS[@]}" || return 1
-    rm -rf "$CARRY" && mkdir -p "$CARRY" || return 1
+    rm -rf "$CARRY" && mkdir -p "$CARRY/deps" || return 1
+    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$CARRY/deps" \
+        "${DEPS[@]}" || return 1
     (cd "$tree" && unzip -q "$dl"/flashinfer_python-*.whl) || return 1
-    # Keep the Python package and include/ (FA2 decode/prefill need only flashinfer's own
-    # headers and tvm-ffi's); of csrc/ only the batch decode/prefill sources, not sm90/MLA/fp8.
+    # Keep the Python package, include/ and cccl/ (FA2 decode/prefill need flashinfer's own
+    # headers, CCCL's and tvm-ffi's); of csrc/ only the batch decode/prefill sources, not sm90/MLA/fp8.
     # fp8 KV pages need none of the *fp8* files: those are FA3's fp8-query kernels
     # (batch_prefill_fp8_*sm90*); FA2 decode/prefill over e4m3 pages are the same sources
     # (batch_decode.cu, batch_prefill*.cu, the kernel_inst jinja) instantiated with an
     # e4m3 KV type, and FLASHINFER_ENABLE_FP8_E4M3 is among FlashInfer's default nvcc flags.
     local data=$tree/flashinfer/data
-    rm -rf "$data/cutlass" "$data/cccl"
+    rm -rf "$data/cutlass"  # FA2 uses none of it; CCCL stays (fastdiv.cuh needs libcudacxx's
+    # cuda::fast_mod_div, which CUDA 13.0's own headers lack: the first device run failed there)
     find "$data/csrc" -mindepth 1 -maxdepth 1 \
         ! \( -name 'batch_decode*' -o -name 'batch_prefill*' -o -name '*.h' \) -exec rm -rf {} +
     find "$data/csrc" \( -name '*sm90*' -o -name '*mla*' -o -name '*fp8*' \) -delete
@@ -73,7 +88,7 @@ prepare() {  # on the CPU box: the trimmed FlashInfer and the tvm-ffi wheel, in 
     tar -C "$tree" -cf - flashinfer flashinfer_python-0.7.2.post1.dist-info |
         xz -T0 -6 >"$CARRY/flashinfer-0.7.2.post1-fa2.tar.xz" || return 1
     cp "$dl"/apache_tvm_ffi-*.whl "$CARRY/" || return 1
-    (cd "$CARRY" && sha256sum ./*.tar.xz ./*.whl >SHA256SUMS)
+    (cd "$CARRY" && sha256sum ./*.tar.xz ./*.whl ./deps/*.whl >SHA256SUMS)
     git check-ignore -q "$CARRY/SHA256SUMS" || { echo "$CARRY is not git-ignored"; return 1; }
     du -sh "$CARRY"/*
     local repo carried
@@ -88,7 +103,7 @@ install_carried() {  # device: the trimmed FlashInfer and tvm-ffi into $SITE
     (cd "$CARRY" && sha256sum -c --quiet SHA256SUMS) || return 1
     mkdir -p "$SITE" && tar -C "$SITE" -xJf "$CARRY"/flashinfer-*.tar.xz || return 1
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" "$CARRY"/apache_tvm_ffi-*.whl || return 1
+        --target "$SITE" "$CARRY"/apache_tvm_ffi-*.whl "$CARRY"/deps/*.whl || return 1
     touch "$SITE/.installed"
 }
 

@@ -231,7 +231,8 @@ def spawn_serve(
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
-    env["PYTHONPATH"] = str(ROOT)
+    # The repo first, then what the caller had (the GPU check's carried packages live there).
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.Popen(
         [sys.executable, "-m", module, *args], stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
     )

@@ -15,6 +15,7 @@ from engine.worker.quant.fp8 import (
     Fp8Linear,
     check_kv_dtype,
     dequantize_fp8_rows,
+    quantize_fp8_activations,
     quantize_fp8_rows,
 )
 from engine.worker.quant.gguf_tensors import _converter
@@ -134,3 +135,23 @@ def test_fp8_linear_holds_e4m3_rows_and_computes_with_them():
     x = torch.randn(3, 64)
     expected = x @ dequantize_fp8_rows(*quantize_fp8_rows(w)).t()
     torch.testing.assert_close(layer(x), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_activations_take_the_bits_of_the_plain_formula(dtype):
+    """Fewer kernels, the same bytes and scales as `x.float().abs().amax() / 448`, a clamp
+    to +-448 and the cast: over rows of every magnitude, a zero row and exact row maxima."""
+    gen = torch.Generator().manual_seed(2)
+    mags = torch.logspace(
+        -30 if dtype != torch.float16 else -6, 30 if dtype != torch.float16 else 4, 64
+    )
+    x = (torch.randn(64, 512, generator=gen) * mags[:, None]).to(dtype)
+    x[3] = 0
+    x[5, 7] = x[5].abs().max() * -1  # the row maximum negative
+    xq, xs = quantize_fp8_activations(x)
+    ref_s = (x.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    ref_q = (x.float() / ref_s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    assert xs.dtype == torch.float32 and xs.shape == (64, 1)
+    assert torch.equal(xs, ref_s)
+    assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8))
+    assert not torch.isnan(xq.float()).any()

@@ -85,6 +85,44 @@ def decode_rate(model, backend, caches, gr, dev, batch: int, per_seq: int, conte
     return dict(tokens_per_s=round(batch * steps / dt, 1), ms_per_step=round(1e3 * dt / steps, 3))
 
 
+def replay_ms(gr, dev: torch.device, batch: int, per_seq: int, context: int, reps: int) -> float:
+    """ms per decode step with the host's round trip taken out: one step's inputs replayed
+    `reps` times back to back (the plan and input copies still run on the host, the logits,
+    argmax and `.tolist()` do not), synchronized once. Against `decode_rate` this splits a
+    step into what the GPU does and what the serial host loop adds."""
+    tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
+    md = decode_metadata(tables, context + 1, dev)
+    step = SimpleNamespace(input_ids=torch.randint(0, 1000, (batch,), device=dev),
+                           positions=md.positions, attn_metadata=md)  # fmt: skip
+    for _ in range(3):
+        gr.run(step)
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        gr.run(step)
+    _sync(dev)
+    return round(1e3 * (time.perf_counter() - t0) / reps, 3)
+
+
+# Peak HBM read bandwidth by device name (vendor figures), for the batch-1 roofline.
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12,
+                   "H100 PCIe": 2.0e12}  # fmt: skip
+
+
+def hbm_bytes_per_s(dev: torch.device) -> float | None:
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    return next((v for k, v in HBM_BYTES_PER_S.items() if k in name), None)
+
+
+def roofline_b1(weight_bytes: int, ms: float, dev: torch.device) -> dict | str:
+    """Batch 1 reads every weight once per token: the share of the device's peak it reaches."""
+    hbm = hbm_bytes_per_s(dev)
+    if hbm is None:
+        return f"no HBM figure for {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}"
+    return dict(hbm_bytes_per_s=hbm, weight_read_ms=round(1e3 * weight_bytes / hbm, 3),
+                share=round(weight_bytes / hbm / (ms / 1e3), 3))  # fmt: skip
+
+
 def decode_modes(model, backend, dev: torch.device, batches: list[int], context: int,
                  steps: int, res: dict, save: Callable[[], None], kv_dtype: torch.dtype | None = None,
                  key: str = "decode") -> None:  # fmt: skip
@@ -118,6 +156,10 @@ def decode_modes(model, backend, dev: torch.device, batches: list[int], context:
             res[f"{key}_{mode}_b{b}"] = decode_rate(
                 model, backend, caches, gr, dev, b, per_seq, context, steps
             )
+            if gr is not None:
+                res[f"{key}_{mode}_b{b}"]["replay_ms"] = replay_ms(
+                    gr, dev, b, per_seq, context, steps
+                )
             save()
         del gr
     del caches
@@ -144,11 +186,10 @@ def bench_decode(dims: dict, dev: torch.device, batches: list[int], context: int
     res["attention_fallback_reason"] = choice.fallback_reason
     decode_modes(model, backend, dev, batches, context, steps, res, save)
     if dev.type == "cuda":  # batch 1 reads every weight once per token
-        hbm = 4.8e12
         if "decode_graphs_b1" in res:
-            ms = res["decode_graphs_b1"]["ms_per_step"]
-            res["roofline_b1"] = dict(hbm_bytes_per_s=hbm, weight_read_ms=1e3 * weight_bytes / hbm,
-                                      share=round(weight_bytes / hbm / (ms / 1e3), 3))  # fmt: skip
+            b1 = res["decode_graphs_b1"]
+            res["roofline_b1"] = roofline_b1(weight_bytes, b1["ms_per_step"], dev)
+            res["roofline_b1_replay"] = roofline_b1(weight_bytes, b1["replay_ms"], dev)
         else:
             res["roofline_b1"] = "not measured: no graphs run at batch 1"
     del model

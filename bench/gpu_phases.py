@@ -14,7 +14,8 @@
           streamed chat completion over HTTP, one gRPC Generate stream
   fp8     Llama-3-8B's shape (random bf16 weights): fp8 KV pages against bf16 pages
           (bench/gpu_fp8_kv.py: JIT, teacher-forced log-probs, decode tok/s at batch 1/64),
-          then fp8 e4m3 linears against bf16 (batch-1 tok/s, greedy agreement)
+          then fp8 e4m3 linears against bf16 (bench/gpu_fp8_linears.py: per-layer cost
+          under graphs, exactness, teacher-forced log-probs, decode at batch 1/8/64)
   report  merges DIR/*.json and DIR/phases.tsv into $OUT/gpu_check.json
 
 Each phase writes DIR/<phase>.json and exits 1 on any error (traceback on stderr); a phase
@@ -253,17 +254,18 @@ def phase_served(dry: bool) -> dict:
 
 def phase_fp8(dry: bool, work: Path) -> dict:
     """On one random Llama-3-8B-shaped bf16 model: fp8 KV pages vs bf16 pages
-    (bench/gpu_fp8_kv.py), then fp8 e4m3 linears vs bf16 (`_fp8_linears`). Each part's
+    (bench/gpu_fp8_kv.py), then fp8 e4m3 linears vs bf16 (bench/gpu_fp8_linears.py). Each part's
     error is recorded and the phase fails after both ran."""
     import torch
 
     from bench.gpu_decode import run_parts
     from bench.gpu_fp8_kv import fp8_kv_check
+    from bench.gpu_fp8_linears import fp8_linears_check
     from bench.random_model import LLAMA3_8B, TINY, random_model
 
     dev, dtype = _device(dry), torch.bfloat16
     model = random_model(TINY if dry else LLAMA3_8B, dev, dtype)
-    res: dict[str, Any] = {"dims": "tiny" if dry else "llama3-8b", "kv_pages": {}}
+    res: dict[str, Any] = {"dims": "tiny" if dry else "llama3-8b", "kv_pages": {}, "linears": {}}
 
     def save() -> None:  # a phase cut short by its timeout keeps what it measured
         work.mkdir(parents=True, exist_ok=True)
@@ -271,54 +273,8 @@ def phase_fp8(dry: bool, work: Path) -> dict:
 
     run_parts({
         "kv_pages": lambda: fp8_kv_check(model, dev, dry, save, res["kv_pages"]),
-        "linears": lambda: res.update(_fp8_linears(model, dev, dry)),
+        "linears": lambda: fp8_linears_check(model, dev, dry, save, res["linears"]),
     }, res)  # fmt: skip
-    return res
-
-
-def _fp8_linears(model, dev, dry: bool) -> dict:
-    """fp8 e4m3 weights (engine/worker/quant/fp8.py) vs bf16 on `model` (converted in place):
-    batch-1 decode tok/s of each, and greedy agreement over 32 steps from the same start."""
-    import numpy as np
-    import torch
-
-    from bench.gpu_decode import decode_rate
-    from engine.worker.attention.base import ForwardContext
-    from engine.worker.attention.selection import select_attention_backend
-    from engine.worker.quant.fp8 import to_fp8
-
-    dtype = torch.bfloat16
-    context, steps, per_seq, block = 128, 8 if dry else 64, 16, 16
-    backend = select_attention_backend(dev, dtype, specs=model.attention_specs).backend
-    shape = (per_seq * 2, 2, block, model.num_kv_heads, model.head_dim)
-
-    def caches():
-        return [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(model.num_layers)]
-
-    def greedy(n: int) -> list[int]:
-        from bench.gpu_decode import decode_metadata
-
-        kv, ids, out = caches(), torch.tensor([7], device=dev), []
-        tables = np.arange(per_seq, dtype=np.int32).reshape(1, per_seq)
-        for s in range(n):
-            md = decode_metadata(tables, s + 1, dev)
-            backend.begin_step(md)
-            hidden = model(ids, md.positions, ForwardContext(md, kv, backend))
-            out.append(int(model.compute_logits(hidden).argmax(-1)[0]))
-            ids = torch.tensor([out[-1]], device=dev)
-        return out
-
-    res: dict[str, Any] = {"backend": backend.name}
-    res["bf16"] = decode_rate(model, backend, caches(), None, dev, 1, per_seq, context, steps)
-    ref = greedy(32)
-    res["fp8_linears"] = to_fp8(model)
-    res["fp8"] = decode_rate(model, backend, caches(), None, dev, 1, per_seq, context, steps)
-    got = greedy(32)
-    res["greedy_agreement"] = sum(a == b for a, b in zip(ref, got, strict=True)) / len(ref)
-    res["first_divergence"] = next(
-        (i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), None
-    )
-    res["fp8_over_bf16"] = round(res["fp8"]["tokens_per_s"] / res["bf16"]["tokens_per_s"], 2)
     return res
 
 

@@ -61,7 +61,12 @@ def test_dry_run_passes_every_phase_and_reports_each(tmp_path):
     assert kv8["planned_kv_dtypes"] == ["bfloat16", "float8_e4m3fn"]
     assert kv8["teacher_forced"]["positions"] == 8 * (2 + 32)
     assert set(kv8["fp8_over_bf16"]) == {"eager_b1", "eager_b4", "graphs_b1", "graphs_b4"}
-    assert "greedy_agreement" in res["fp8"]  # the fp8-linears part ran after it
+    lin = res["fp8"]["linears"]  # the fp8-linears part ran after it
+    assert lin["exact_rel_err"] <= 2.0**-7 and lin["fp8_linears"] > 0
+    assert set(lin["layers"]) == {f"{n}_m{m}" for n in ("qkv", "down") for m in (1, 8, 64)}
+    assert {"bf16_us", "fp8_us", "quant_us", "scaled_mm_us"} <= set(lin["layers"]["qkv_m1"])
+    assert "replay_ms" in lin["fp8_graphs_b1"] and "replay_ms" in lin["bf16_graphs_b4"]
+    assert lin["fidelity"]["positions"] == 4 * 4 and "graphs_b1_replay" in lin["fp8_over_bf16"]
     assert res["spec"]["ngram"]["equal"] == res["spec"]["ngram"]["of"] == 16
     assert res["spec"]["draft"]["accepted"] > 0
     log = (tmp_path / "gpu_check.log").read_text()
@@ -118,4 +123,17 @@ def test_a_failing_fp8_part_is_recorded_and_fails_the_phase_after_the_other_ran(
     res = json.loads((tmp_path / "fp8.json").read_text())
     assert "log-prob by 2.4" in res["errors"]["kv_pages"]
     assert res["kv_pages"]["modules"] == ["measured before the error"]
-    assert "greedy_agreement" in res and "linears" not in res["errors"]
+    assert "exact_rel_err" in res["linears"] and "linears" not in res["errors"]
+
+
+def test_fp8_linears_off_their_operands_fail_the_phase_after_measuring(tmp_path, monkeypatch):
+    """An Fp8Linear that disagrees with its own operands' fp32 product (a transposed weight,
+    a scale on the wrong axis) fails the phase, with the figures measured kept."""
+    import bench.gpu_fp8_linears as gpu_fp8_linears
+    import bench.gpu_phases as gpu_phases
+
+    monkeypatch.setattr(gpu_fp8_linears, "exactness", lambda dev, dry: 0.5)
+    assert gpu_phases.main(["fp8", "--work", str(tmp_path), "--dry-run"]) == 1
+    res = json.loads((tmp_path / "fp8.json").read_text())
+    assert "wrong layout or scale axis" in res["errors"]["linears"]
+    assert "fp8_graphs_b1" in res["linears"] and "errors" not in res["kv_pages"]

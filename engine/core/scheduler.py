@@ -57,33 +57,32 @@ Prefill-only (embedding) requests are scheduled like any prompt (chunked, under 
 budget) but never sample: once their whole prompt is scheduled they get no more tokens,
 and they finish when the runner returns their pooled vector (`RunnerOutput.pooled`),
 their blocks freed in that step. Their blocks are never registered in the prefix cache.
+
+The class comes in parts, one job to a module: this one holds the state, the running
+requests' pass (point 1, preemption), finishing and deadlines; `waiting_admission.py` the
+waiting queue's pass (point 2); `scheduled_step.py` turns the step into the runner's
+`SchedulerOutput` (advancing progress); `step_results.py` takes the runner's results in.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.core import admission
-from engine.core.adapter_slots import AdapterSlots, count_adapters, uses_adapter
+from engine.core.adapter_slots import count_adapters, uses_adapter
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.kv_tier.manager import KVTierManager
 from engine.core.policy.deadlines import expiry_error
 from engine.core.policy.overflow import pushed_out_error
 from engine.core.policy.policy import SchedulingPolicy, TenantStats
-from engine.core.policy.tenant_slots import TenantSlots, share_victim
 from engine.core.request import Request, RequestStatus
+from engine.core.scheduled_step import ScheduledStep, build_scheduler_output
 from engine.core.spec.speculator import Speculator
-from engine.core.step_io import (
-    CachedRequestData,
-    KVTierReport,
-    NewRequestData,
-    RunnerOutput,
-    SchedulerOutput,
-)
-from engine.core.stop import check_stop
+from engine.core.step_io import KVTierReport, SchedulerOutput
+from engine.core.step_results import StepResults
+from engine.core.waiting_admission import WaitingAdmission
 from engine.errors import EngineError
 
 __all__ = ["Scheduler"]
@@ -92,24 +91,7 @@ _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 
 
-@dataclass(slots=True)
-class _Step:
-    """What one `schedule()` call has handed out so far (a per-step context, not state)."""
-
-    budget: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    # Running requests scheduled this step, in order, and the blocks each got appended.
-    running: list[Request] = field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    # Requests admitted from the waiting queue, with their computed tokens before this step.
-    admitted: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: set[str] = field(default_factory=set)
-    # Speculative decoding: proposals scheduled, and a draft model's lookahead, per request.
-    spec: dict[str, list[int]] = field(default_factory=dict)
-    lookahead: dict[str, int] = field(default_factory=dict)
-
-
-class Scheduler:
+class Scheduler(WaitingAdmission, StepResults):
     """Decides which requests run each step and for how many tokens; owns request state.
 
     `running` holds requests with blocks, in admission order; `waiting` holds new and
@@ -231,7 +213,7 @@ class Scheduler:
         self.num_steps_started += 1
         self._expire_deadlines(now)
         self.policy.step_started(now, bool(self.running))
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        step = ScheduledStep(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step, now)
         # Charged before admission, so that admission sees this step's work in the counters.
         self.policy.charge_running(step.running, step.num_scheduled)
@@ -239,7 +221,7 @@ class Scheduler:
             self._schedule_waiting(step, now)
         return self._build_output(step)
 
-    def _schedule_running(self, step: _Step, now: float) -> None:
+    def _schedule_running(self, step: ScheduledStep, now: float) -> None:
         """The decode hot path: one allocation per running request, no sorting, no copies."""
         running = self.running
         allocate = self.kv_manager.allocate_slots
@@ -289,7 +271,9 @@ class Scheduler:
             i += 1
         step.budget = budget
 
-    def _allocate_speculative(self, req: Request, budget: int, step: _Step) -> list[int] | None:
+    def _allocate_speculative(
+        self, req: Request, budget: int, step: ScheduledStep
+    ) -> list[int] | None:
         """Slots for a decode with proposals (and a draft model's lookahead), recorded in
         `step`; None, with nothing recorded or allocated, when there are no proposals or the
         pool cannot cover them (the caller allocates the plain decode)."""
@@ -318,7 +302,7 @@ class Scheduler:
         return blocks
 
     def _preempt_until_fits(
-        self, req: Request, i: int, n: int, step: _Step, now: float
+        self, req: Request, i: int, n: int, step: ScheduledStep, now: float
     ) -> tuple[list[int] | None, int]:
         """Preempts victims until `req` (at `running[i]`) gets its `n` tokens' slots.
 
@@ -342,7 +326,7 @@ class Scheduler:
         """Index in `running` of the request to preempt (the policy's choice)."""
         return self.policy.pick_victim(self.running)
 
-    def _preempt(self, index: int, step: _Step, now: float) -> None:
+    def _preempt(self, index: int, step: ScheduledStep, now: float) -> None:
         """Frees `running[index]`'s blocks, resets its progress and queues it again."""
         victim = self.running.pop(index)
         rid = victim.request_id
@@ -362,333 +346,20 @@ class Scheduler:
         step.preempted.add(rid)
         self.waiting.requeue_preempted(victim)
 
-    def _schedule_waiting(self, step: _Step, now: float) -> None:
-        """Admits waiting requests in policy order until budget, seats or blocks run out.
-
-        A fork sample whose leader is running but not far enough is skipped (it keeps its
-        place) without blocking the requests behind it. Under `deadline`, a request that can
-        no longer make its deadline (`policy.feasibility`) is set aside the same way and
-        admitted in a second pass only if seats and budget remain once the rest is taken.
-        """
-        waiting, running = self.waiting, self.running
-        skipped: list[Request] = []
-        late: list[Request] | None = [] if self.policy.defers_late else None
-        adapters = AdapterSlots(self.max_loras, running)
-        tenants = TenantSlots(running, self.config.max_num_seqs)
-        waiting.offer_shares(tenants)
-        pool_full = self._admit_waiting(step, now, adapters, tenants, skipped, late)
-        if late:
-            waiting.restore(late)
-            if not pool_full:
-                self._admit_waiting(step, now, adapters, tenants, skipped, None)
-        max_seqs = self.config.max_num_seqs
-        if self.policy.preempt_for_share and waiting and len(running) >= max_seqs:
-            self._swap_for_share(step, now, adapters, tenants)
-        waiting.unpark_all()
-        if skipped:
-            waiting.restore(skipped)
-
-    def _admit_waiting(
-        self,
-        step: _Step,
-        now: float,
-        adapters: AdapterSlots,
-        tenants: TenantSlots,
-        skipped: list[Request],
-        late: list[Request] | None,
-    ) -> bool:
-        """One pass of `_schedule_waiting`; sets aside in `late` (when given) the requests
-        that cannot make their deadline. True when it stopped because the pool was full."""
-        waiting, running = self.waiting, self.running
-        max_seqs = self.config.max_num_seqs
-        is_late = self.policy.is_late
-        while waiting and step.budget > 0 and len(running) < max_seqs:
-            req = waiting.peek()
-            if not tenants.admits(req):  # its tenant is at max_running: pass it over
-                waiting.park(req.tenant.name)
-                continue
-            if late is not None and is_late(req, now):
-                late.append(waiting.pop())
-                continue
-            leader = self._fork_leader(req)
-            if (
-                leader is False
-                or not adapters.admits(req)
-                or (leader is None and self._waits_for_kv(req))
-            ):
-                skipped.append(waiting.pop())
-                continue
-            if not self._admit(req, leader, step, now, adapters, tenants):
-                return True  # the pool can't cover it: stop admitting this step
-        return False
-
-    def _admit(
-        self,
-        req: Request,
-        leader: Request | None,
-        step: _Step,
-        now: float,
-        adapters: AdapterSlots,
-        tenants: TenantSlots,
-    ) -> bool:
-        """Moves the head of the queue, `req`, to running with its first chunk; False (and
-        nothing changed) when the pool can't cover the chunk."""
-        if leader is None:
-            start, n = self._allocate_new(req, step.budget)
-        else:
-            start, n = self._allocate_fork(req, leader, step.budget)
-        if n == 0:
-            return False
-        self.waiting.pop()
-        self.running.append(req)
-        adapters.add(req)
-        tenants.added(req)
-        req.status = _RUNNING
-        if req.times.first_scheduled is None:
-            req.times.first_scheduled = now
-            req.times.first_scheduled_step = self.num_steps_started
-            req.num_cached_tokens = start
-        step.num_scheduled[req.request_id] = n
-        step.admitted.append((req, start))
-        step.budget -= n
-        self.policy.charge_admitted(req, start, n)
-        return True
-
-    def _swap_for_share(
-        self, step: _Step, now: float, adapters: AdapterSlots, tenants: TenantSlots
-    ) -> None:
-        """Every seat is held (`preempt_for_fairness`, fair policies): while the head of the
-        queue's tenant runs fewer than its weighted share of the seats and another tenant
-        runs more than its share and has been served more, preempts that tenant's last
-        request (`policy.tenant_slots.share_victim`) and admits the head in its seat. The
-        victim is recomputed later (mostly from the prefix cache: its blocks stay cached
-        until evicted); without this, the head waits for the next seat to free, which under
-        a flood of long requests can take a whole request's time. The head swaps only once
-        it has waited `preempt_for_fairness_wait_steps` steps: a seat that frees by itself
-        in the meantime costs no recompute (under a flood seats free every step or two).
-        """
-        waiting, counter = self.waiting, self.policy.counter
-        assert counter is not None
-        wait = self.config.preempt_for_fairness_wait_steps
-        keep = {r.request_id for r, _ in step.admitted}
-        while waiting and step.budget > 0:
-            req = waiting.peek()
-            if not tenants.admits(req) or req.fork_from is not None or not adapters.admits(req):
-                return
-            if self.num_steps_started - (req.times.queued_step or 0) <= wait:
-                return  # it waits this many steps for a seat that frees by itself first
-            v = share_victim(
-                req, self.running, tenants, tenants.weights(waiting.backlog()), counter, keep
-            )
-            if v is None:
-                return
-            victim = self.running[v]
-            self._preempt(v, step, now)
-            tenants.removed(victim)
-            if not self._admit(req, None, step, now, adapters, tenants):
-                return
-            keep.add(req.request_id)
-
-    def _fork_leader(self, req: Request) -> Request | None | bool:
-        """For a fork sample: the leader to share with, False to wait for it, None for no fork.
-
-        The leader qualifies once it is running and had computed all but the last prompt
-        token when this step started (`num_computed_tokens` is not advanced until the end of
-        `schedule()`, so a leader admitted earlier in this call still reads as 0). A leader
-        that is gone or preempted means an ordinary prefill (the prefix cache still helps).
-        """
-        if req.fork_from is None or req.num_prompt_tokens < 2:
-            return None
-        leader = self.requests.get(req.fork_from)
-        if leader is None or leader.prompt_token_ids != req.prompt_token_ids:
-            return None
-        if leader.status is _RUNNING:
-            return leader if leader.num_computed_tokens >= req.num_prompt_tokens - 1 else False
-        # Not started yet: it is ahead in the queue or will be soon; share with it then.
-        return False if leader.status is _WAITING else None
-
-    def _waits_for_kv(self, req: Request) -> bool:
-        """True while `req` is in the loading state: its loads are in flight, or its prefix
-        continues in a KV tier and they start now."""
-        tier = self.kv_tier
-        return tier is not None and (tier.is_loading(req) or tier.try_load(req))
-
-    def _cap(self, req: Request, start: int, budget: int) -> int:
-        """Tokens to schedule for `req` from `start`, within the budget and the model length."""
-        return min(req.num_tokens - start, budget, self.max_model_len - start)
-
-    def _allocate_new(self, req: Request, budget: int) -> tuple[int, int]:
-        """Prefix-cache lookup then slots for the next chunk: (tokens cached, tokens to run).
-
-        Returns n == 0 when the pool can't cover the chunk. Only a lookup that admits the
-        request is counted, so a head of queue blocked for many steps counts once.
-        """
-        kv = self.kv_manager
-        cached_blocks, num_cached = kv.get_computed_blocks(req)
-        n = self._cap(req, num_cached, budget)
-        if kv.allocate_slots(req, n, cached_blocks or None) is None:
-            return num_cached, 0
-        from_tier = 0 if self.kv_tier is None else self.kv_tier.on_admitted(req, num_cached)
-        kv.count_prefix_query(req, num_cached - from_tier)
-        return num_cached, n
-
-    def _allocate_fork(self, req: Request, leader: Request, budget: int) -> tuple[int, int]:
-        """Shares the leader's first prompt_len - 1 tokens' blocks, then slots for the rest.
-
-        The first allocation copies-on-write the shared partial block; on failure the fork is
-        undone so the request waits with nothing held.
-        """
-        kv, shared = self.kv_manager, req.num_prompt_tokens - 1
-        kv.fork(leader, req, shared)
-        req.num_computed_tokens = shared
-        n = self._cap(req, shared, budget)
-        if kv.allocate_slots(req, n) is None:
-            kv.free(req)
-            req.num_computed_tokens = 0
-            return shared, 0
-        return shared, n
-
-    def _build_output(self, step: _Step) -> SchedulerOutput:
-        """Turns the step into the runner's `SchedulerOutput`, then advances progress."""
-        kv = self.kv_manager
-        copies = kv.take_block_copies()
-        if copies and step.preempted:  # a victim's copies target blocks it no longer holds
-            copies = [c for c in copies if c.request_id not in step.preempted]
-        replaced: dict[str, list[tuple[int, int]]] = {}
-        for c in copies:
-            replaced.setdefault(c.request_id, []).append((c.index, c.dst))
-        num_scheduled = step.num_scheduled
-        cached_reqs = []
-        speculating = self.speculator is not None
-        for req in step.running:
-            rid = req.request_id
-            new_ids = step.new_block_ids[rid]
-            cached_reqs.append(
-                CachedRequestData(
-                    rid, new_ids, replaced.get(rid, []), req.num_computed_tokens,
-                    kv.num_blocks_held(rid) - len(new_ids) if speculating else None,
-                )
-            )  # fmt: skip
-            req.num_computed_tokens += num_scheduled[rid]
-        new_reqs = []
-        for req, start in step.admitted:
-            rid = req.request_id
-            new_reqs.append(
-                NewRequestData(
-                    rid,
-                    req.prompt_token_ids,
-                    list(req.output_token_ids),
-                    req.sampling_params,
-                    kv.get_block_ids(rid),
-                    start,
-                    req.grammar,
-                    req.lora,
-                    req.pooling_params,
-                )
-            )
-            req.num_computed_tokens = start + num_scheduled[rid]
-        finished = self._left_batch | step.preempted
-        self._left_batch = set()
-        self._in_flight = num_scheduled
-        so = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
-            finished_req_ids=finished,
-            preempted_req_ids=step.preempted,
-            block_copies=[(c.src, c.dst) for c in copies],
-            spec_token_ids=step.spec,
-            num_lookahead_tokens=step.lookahead,
+    def _build_output(self, step: ScheduledStep) -> SchedulerOutput:
+        """The step's `SchedulerOutput` (progress advanced), with the KV tier's moves."""
+        so = build_scheduler_output(
+            step,
+            self.kv_manager,
+            self.config.max_num_batched_tokens,
+            self._left_batch,
+            self.speculator is not None,
         )
+        self._left_batch = set()
+        self._in_flight = so.num_scheduled_tokens
         if self.kv_tier is not None:
             so.kv_saves, so.kv_loads, so.kv_deletes = self.kv_tier.take_moves()
         return so
-
-    # ---- results ---------------------------------------------------------------------------
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
-    ) -> list[Request]:
-        """Appends sampled tokens, applies stop conditions, frees finished requests.
-
-        Returns every request that got tokens this step (finished ones included). Tokens for
-        requests no longer running (aborted or finished meanwhile) are dropped, and so is the
-        token sampled at the end of a `max_tokens=0` request's prompt: it finishes with
-        FINISHED_LENGTH and no output as soon as its whole prompt is computed.
-        """
-        now = self.clock()
-        self._in_flight = {}
-        if runner_output.kv_tier is not None and self.kv_tier is not None:
-            self.kv_tier.apply(runner_output.kv_tier)
-        requests, max_len = self.requests, self.max_model_len
-        updated: list[Request] = []
-        any_finished = False
-        spec_ids = scheduler_output.spec_token_ids
-        for rid, token_ids in zip(
-            runner_output.req_ids, runner_output.sampled_token_ids, strict=True
-        ):
-            req = requests.get(rid)
-            if req is None or req.status is not _RUNNING or not token_ids:
-                continue
-            draft = spec_ids.get(rid) if spec_ids else None
-            if draft is not None:
-                self._settle_speculation(req, draft, token_ids)
-            if req.max_tokens == 0:  # prompt scoring: its prefill is done, the sample dropped
-                req.status = RequestStatus.FINISHED_LENGTH
-                stopped = True
-            elif len(token_ids) == 1:  # the usual case: no per-token slicing
-                req.append_output_token_ids(token_ids)
-                stopped = check_stop(req, token_ids[0], max_len)
-            else:
-                stopped = self._append_until_stop(req, token_ids)
-            if stopped:
-                self._finish(req, now, in_batch=True)
-                any_finished = True
-            elif draft is not None or rid in scheduler_output.num_lookahead_tokens:
-                self.kv_manager.truncate(req, req.num_computed_tokens)
-            times = req.times
-            if times.first_token is None:
-                times.first_token = now
-                times.first_token_step = self.num_steps_started
-            times.last_token = now
-            updated.append(req)
-        if runner_output.pooled:
-            any_finished |= self._finish_pooled(runner_output.pooled, now, updated)
-        if any_finished:
-            self.running = [r for r in self.running if r.status is _RUNNING]
-        if runner_output.draft_token_ids and self.speculator is not None:
-            self.speculator.take_worker_proposals(requests, runner_output.draft_token_ids)
-        return updated
-
-    def _settle_speculation(self, req: Request, draft: list[int], token_ids: list[int]) -> None:
-        """`req` ran 1 + len(draft) tokens and got `token_ids` back: the K/V of the first
-        len(token_ids) positions (its last token and the accepted proposals) stand; the
-        rejected positions are computed again as the tokens that replace them arrive."""
-        req.num_computed_tokens -= 1 + len(draft) - len(token_ids)
-        assert self.speculator is not None
-        self.speculator.settle(req, len(draft), len(token_ids))
-
-    def _finish_pooled(self, pooled: dict[str, list[float]], now: float, updated: list) -> bool:
-        """Finishes the prefill-only requests whose vector came back (stopped: the prompt
-        is all they had); appends them to `updated`. True if any finished."""
-        done = False
-        for rid in pooled:
-            req = self.requests.get(rid)
-            if req is None or req.status is not _RUNNING:
-                continue  # aborted meanwhile: its vector is dropped
-            req.status = RequestStatus.FINISHED_STOPPED
-            self._finish(req, now, in_batch=True)
-            updated.append(req)
-            done = True
-        return done
-
-    def _append_until_stop(self, req: Request, token_ids: list[int]) -> bool:
-        """Appends several tokens (speculative decoding), dropping any after a stop."""
-        for i, tok in enumerate(token_ids):
-            req.append_output_token_ids(token_ids[i : i + 1])
-            if check_stop(req, tok, self.max_model_len):
-                return True
-        return False
 
     def _finish(self, req: Request, now: float, in_batch: bool) -> None:
         """Bookkeeping for a request whose finished status is already set.

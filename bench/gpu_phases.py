@@ -9,7 +9,8 @@
           decode and prefill with Llama-3-8B's head layout (no compile left to do)
   kv      Llama-3-8B's shape (random bf16 weights in GPU memory): KV sizing at
           memory_fraction 0.9 with 256 sequences, then a step of 256 requests sampled with
-          top-p and scored with prompt logprobs, out of memory or not
+          top-p and scored with prompt logprobs, out of memory or not; then the engine's
+          own loop (Scheduler + runner) at batch 1 and 64: ms per pure decode step
   served  `appliance serve` on the device with a tiny checkpoint: /health green, one
           streamed chat completion over HTTP, one gRPC Generate stream
   fp8     Llama-3-8B's shape (random bf16 weights): fp8 KV pages against bf16 pages
@@ -194,7 +195,45 @@ def phase_kv(dry: bool) -> dict:
             peak_allocated_gib=round(torch.cuda.max_memory_allocated(dev) / _GIB, 2),
             graphs=type(runner.graph_runner).__name__,
         )  # fmt: skip
+    # The engine's own loop on the same runner: the batch-1 and batch-64 decode steps as a
+    # served request takes them (scheduler, input preparation, graphs, sampling, host
+    # round trip), to set beside the decode phase's bare model steps.
+    runner.execute(SchedulerOutput(finished_req_ids={f"kv-{i}" for i in range(256)}))
+    for batch in (1, 64):
+        res[f"engine_decode_b{batch}"] = engine_loop(
+            runner, blocks, block, max_len, batch, 512 if not dry else 40, 32 if not dry else 4
+        )
     return res
+
+
+def engine_loop(runner, blocks: int, block: int, max_len: int, batch: int, prompt_len: int,
+                new_tokens: int) -> dict:  # fmt: skip
+    """`batch` greedy requests of `prompt_len` tokens, `new_tokens` each, through the real
+    Scheduler and `runner.execute` (what LLMEngine.step does, less detokenizing): the median
+    ms of the steps that were pure decode (one token per request), and how many there were."""
+    from engine.config import SchedulerConfig
+    from engine.core.kv_cache.manager import KVCacheManager
+    from engine.core.request import Request
+    from engine.core.scheduler import Scheduler
+    from engine.sampling_params import SamplingParams
+
+    kv = KVCacheManager(blocks, block, False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max(batch, 2), max_num_batched_tokens=8192),
+                      kv, max_len)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i in range(batch):
+        sched.add_request(Request(f"loop-{batch}-{i}", [3 + i % 50] * prompt_len, params))
+    decode: list[float] = []
+    while sched.has_unfinished_requests():
+        t0 = time.perf_counter()
+        so = sched.schedule()
+        out = runner.execute(so)
+        sched.update_from_output(so, out)
+        if so.total_num_scheduled_tokens == batch and not so.scheduled_new_reqs:
+            decode.append(time.perf_counter() - t0)
+    runner.execute(sched.schedule())  # the last step's finished ids: the runner lets them go
+    decode.sort()
+    return dict(steps=len(decode), ms_per_step=round(1e3 * decode[len(decode) // 2], 3))
 
 
 def phase_served(dry: bool) -> dict:

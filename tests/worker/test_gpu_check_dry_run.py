@@ -49,6 +49,8 @@ def test_dry_run_passes_every_phase_and_reports_each(tmp_path):
     ]  # fmt: skip
     assert res["served"]["health"] == 200 and res["served"]["grpc_completion_tokens"] == 4
     assert res["kv"]["top_p_step"].startswith("ok")
+    assert res["kv"]["engine_decode_b1"]["steps"] >= 1  # the engine's loop on the same runner
+    assert res["kv"]["engine_decode_b64"]["steps"] >= 1
     assert {"decode_eager_b1", "decode_graphs_b4"} <= set(res["decode"])
     assert "errors" not in res["decode"]
     kv8 = res["fp8"]["kv_pages"]  # fp8 KV pages, on the stand-in flashinfer in the dry run

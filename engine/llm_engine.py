@@ -15,6 +15,9 @@ LoRA (`lora.enabled`): `add_lora` reads and checks an adapter into the host-memo
 (`engine.worker.lora.registry`, thread-safe: files are read on the caller's thread), a
 request names its adapter with `lora_request` (loaded on first use), `remove_lora` refuses
 new requests for it at once and drops it when its last request leaves.
+
+Its parts, one job to a module: request_preparation.py (`prepare_request`, thread-safe) and
+adapter_management.py (the LoRA calls) are mixins of `LLMEngine` over its state.
 """
 
 from __future__ import annotations
@@ -27,22 +30,21 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.adapter_management import AdapterManagement
 from engine.config import ConfigError, EngineConfig
 from engine.core import admission
 from engine.core.kv_cache.manager import KVCacheManager
 from engine.core.kv_tier.manager import KVTierManager, KVTierStats
 from engine.core.policy.policy import TenantStats
-from engine.core.policy.tenant import Tenant
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.spec.stats import SpecDecodeStats
 from engine.core.step_io import SchedulerOutput
-from engine.errors import InvalidRequestError, LoRAError
-from engine.lora_request import LoRARequest
 from engine.output.processor import OutputProcessor
 from engine.output.request_output import RequestDelta, SampleError
 from engine.output.tokenizer import Tokenizer
 from engine.pooling_params import PoolingParams
+from engine.request_preparation import PreparedRequest, RequestPreparation
 from engine.sampling_params import SamplingParams
 from engine.speculative import build_speculator, load_draft_model
 from engine.worker.attention.kv_dtype import kv_cache_dtype
@@ -68,16 +70,6 @@ logger = logging.getLogger(__name__)
 
 # Seconds an empty step (only KV tier moves in flight) waits for one of them to finish.
 EMPTY_STEP_WAIT_S = 0.005
-
-
-@dataclass
-class PreparedRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    requests: list[Request]  # one per sample (n)
-    # Its LoRA adapter's removal count when prepared: a removal since refuses it when added.
-    lora_epoch: int = 0
 
 
 @dataclass
@@ -112,7 +104,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class LLMEngine:
+class LLMEngine(RequestPreparation, AdapterManagement):
     def __init__(self, config: EngineConfig):
         self.config = config
         rt = config.runtime
@@ -307,134 +299,6 @@ class LLMEngine:
         return self.pooling.hidden_size if self.pooling is not None else None
 
     # ---- requests -------------------------------------------------------------------------
-    def prepare_request(
-        self,
-        request_id: str,
-        prompt: str | list[int] | dict,
-        params: SamplingParams | PoolingParams,
-        *,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        cache_salt: str | tuple[str, ...] | None = None,
-        lora_request: LoRARequest | None = None,
-        tenant: Tenant | None = None,
-        deadline: float | None = None,
-    ) -> PreparedRequest:
-        """Validates and tokenizes; raises InvalidRequestError naming the field. Thread-safe.
-        A `lora_request` not loaded yet is read from its directory here (LoRAError if bad).
-        `tenant`: whose share it runs on (None: the default tenant); `deadline`: the
-        time.monotonic() by which it must finish (None: none), see engine/core/policy.
-        `PoolingParams` make an embedding request (the model's task must be embed)."""
-        embed = isinstance(params, PoolingParams)
-        admission.check_task(self.task, "embed" if embed else "generate", self.model_name)
-        if embed:
-            if lora_request is not None:
-                raise LoRAError("LoRA adapters are not served on embedding models")
-            return self._prepare_embedding(
-                request_id, prompt, params, priority, arrival_time, tenant, deadline
-            )
-        lora, epoch = None, 0
-        if lora_request is not None:
-            lora, epoch = self._lora_registry().acquire(lora_request)
-        text, ids = self.tokenize_prompt(prompt)
-        if params.n > self.config.scheduler.max_n:
-            raise InvalidRequestError(
-                f"n must be at most {self.config.scheduler.max_n}, got {params.n}", "n"
-            )
-        admission.check_stop_limits(params, self.config.scheduler)
-        params.validate_vocab(self.vocab_size)  # SamplingParamsError is an InvalidRequestError
-        params.validate_masks(self.tokenizer.eos_token_ids)
-        so = params.structured_outputs
-        grammar = self.grammars.compile(so) if so is not None else None
-        if grammar is not None and so.opened_by is not None:  # the tokens that open it
-            grammar = replace(grammar, open_token_ids=self.grammars.marker_token_ids(so.opened_by))
-        kv = self.kv_manager
-        max_tokens = admission.fit_lengths(
-            len(ids), params.max_tokens, self.max_model_len, kv.block_size, kv.num_blocks
-        )
-        eos = frozenset(self.tokenizer.eos_token_ids)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        requests = []
-        for i in range(params.n):
-            p = params
-            if params.n > 1:
-                # The group's prompt logprobs come from its first sample alone: another one
-                # prefills the prompt itself when the first finished before it could fork.
-                p = replace(
-                    p,
-                    n=1,
-                    seed=None if params.seed is None else _int64(params.seed + i),
-                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-                )
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            requests.append(
-                Request(
-                    rid, ids, p, eos_token_ids=eos, arrival_time=arrival,
-                    priority=priority, cache_salt=cache_salt,
-                    fork_from=None if i == 0 else requests[0].request_id, max_tokens=max_tokens,
-                    grammar=grammar, lora_request=lora_request,
-                    lora_key=None if lora is None else lora.key, lora=lora,
-                    tenant=tenant, deadline=deadline,
-                )
-            )  # fmt: skip
-        return PreparedRequest(request_id, text, ids, requests, epoch)
-
-    def _prepare_embedding(
-        self,
-        request_id: str,
-        prompt: str | list[int] | dict,
-        params: PoolingParams,
-        priority: int,
-        arrival_time: float | None,
-        tenant: Tenant | None = None,
-        deadline: float | None = None,
-    ) -> PreparedRequest:
-        """A prefill-only request: tokenized as sentence-transformers does (lower-cased
-        first when the checkpoint says so), cut by truncate_prompt_tokens, sized to fit."""
-        spec = self.pooling
-        assert spec is not None  # check_task passed: this is an embedding model
-        spec.check(params)
-        if spec.do_lower_case and isinstance(prompt, str):
-            prompt = prompt.lower()
-        text, ids = self.tokenize_prompt(prompt)
-        ids = params.truncate(ids, self.max_model_len)
-        kv = self.kv_manager
-        admission.fit_prompt(len(ids), self.max_model_len, kv.block_size, kv.num_blocks)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        # Its SamplingParams are the defaults, read by nothing that matters: it never samples.
-        request = Request(
-            request_id, ids, SamplingParams(max_tokens=1), arrival_time=arrival,
-            priority=priority, pooling_params=params, tenant=tenant, deadline=deadline,
-        )  # fmt: skip
-        return PreparedRequest(request_id, text, ids, [request])
-
-    def tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        """(prompt text or None, prompt token ids); raises InvalidRequestError. Thread-safe."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise InvalidRequestError(
-                    "prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt"
-                )
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
-                    "prompt",
-                )
-        if not ids:
-            raise InvalidRequestError("prompt must contain at least one token", "prompt")
-        return text, ids
-
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Engine thread only. Raises InvalidRequestError for an id already held and
         QueueFullError when the waiting queue is full (`engine.core.admission`); a request
@@ -582,44 +446,6 @@ class LLMEngine:
         self._settle_lora_removals()
         return results
 
-    # ---- LoRA adapters --------------------------------------------------------------------
-    def add_lora(self, lora: LoRARequest) -> None:
-        """Reads and checks the adapter into host memory (LoRAError naming the problem).
-        Loading the same name and path again does nothing. Thread-safe."""
-        self._lora_registry().acquire(lora)
-
-    def remove_lora(self, lora_name: str) -> None:
-        """Engine thread. New requests for it are refused from now on (LoRAError); requests
-        already holding it finish untouched, and it is dropped when the last one leaves
-        (`lora_in_use` turns False). LoRANotFoundError when no such adapter is loaded."""
-        self._lora_registry().begin_remove(lora_name)
-        self._settle_lora_removals()
-
-    def list_loras(self) -> list[LoRARequest]:
-        """The adapters loaded in host memory (not those being removed). Thread-safe."""
-        return [] if self.loras is None else self.loras.list()
-
-    def is_lora_loaded(self, lora: LoRARequest) -> bool:
-        """True when `lora` is in host memory as given (no file to read for it). Thread-safe."""
-        return self.loras is not None and self.loras.is_loaded(lora)
-
-    def lora_in_use(self, lora_name: str) -> bool:
-        """Engine thread. True while a request held by the engine runs the adapter."""
-        return self.scheduler.uses_adapter(lora_name)
-
-    def _lora_registry(self) -> LoRARegistry:
-        if self.loras is None:
-            raise LoRAError("LoRA adapters are off: set lora.enabled (LLM(enable_lora=True))")
-        return self.loras
-
-    def _settle_lora_removals(self) -> None:
-        """Drops the adapters being removed that no request uses any more."""
-        if self.loras is None:
-            return
-        for name in self.loras.draining():
-            if not self.scheduler.uses_adapter(name):
-                self.loras.finish_remove(name)
-
     def stats(self) -> EngineStats:
         kv = self.kv_manager.stats()
         lora_running, lora_waiting = (
@@ -656,12 +482,6 @@ def _failed_param(req: Request) -> str | None:
         return f"structured_outputs.{grammar.kind}"
     p = req.sampling_params
     return "allowed_token_ids" if p.allowed_token_ids is not None else "min_tokens"
-
-
-def _int64(x: int) -> int:
-    """x wrapped into int64 (a sample's seed is the request's + its index): the generator
-    takes seeds modulo 2**64, so the wrapped seed draws the same numbers."""
-    return (x + 2**63) % 2**64 - 2**63
 
 
 def _default_served_name(config: EngineConfig, loaded) -> str:

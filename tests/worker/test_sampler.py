@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.worker.logits_processing import _apply_penalties, _apply_top_k_top_p
 from engine.worker.sampler import (
     Sampler,
     SamplingRow,
-    _apply_penalties,
-    _apply_top_k_top_p,
     compute_prompt_logprobs,
     make_generator,
 )

@@ -5,7 +5,7 @@
 #       downloads flashinfer-python 0.7.2.post1 and apache-tvm-ffi 0.1.15.post2 and leaves in
 #       .gpu/ (git-ignored) FlashInfer trimmed to its Python package and the sources/headers
 #       its FA2 decode/prefill JIT needs (tar.xz, ~9 MB), the tvm-ffi wheel (3.3 MB), SHA256SUMS
-#   device:  run(command="bash scripts/gpu_check.sh", carry=[".gpu"], timeout_s=420)
+#   device:  run(command="bash scripts/gpu_check.sh", carry=[".gpu"], timeout_s=550)
 #   CPU:     scripts/gpu_check.sh --dry-run     (every phase, tiny shapes, torch backend;
 #            bounded by its 560 s budget only, not by the device's per-phase limits)
 #
@@ -171,7 +171,7 @@ fi
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 WORK=$(mktemp -d /tmp/gpu_check_work.XXXXXX)
 LOG=$OUT/gpu_check.log
-BUDGET=${GPU_CHECK_BUDGET:-$([ -n "$DRY" ] && echo 560 || echo 400)}
+BUDGET=${GPU_CHECK_BUDGET:-$([ -n "$DRY" ] && echo 560 || echo 520)}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MAX_JOBS=${MAX_JOBS:-16}

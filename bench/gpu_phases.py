@@ -28,6 +28,7 @@ exits 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -139,6 +140,7 @@ def phase_kv(dry: bool) -> dict:
     """KV sizing at 0.9 with 256 sequences, then one top-p step of 256 requests."""
     import torch
 
+    from bench.gpu_decode import run_parts
     from bench.random_model import LLAMA3_8B, TINY, random_model
     from engine.config import CacheConfig, RuntimeConfig, SchedulerConfig
     from engine.core.step_io import NewRequestData, SchedulerOutput
@@ -198,11 +200,15 @@ def phase_kv(dry: bool) -> dict:
     # The engine's own loop on the same runner: the batch-1 and batch-64 decode steps as a
     # served request takes them (scheduler, input preparation, graphs, sampling, host
     # round trip), to set beside the decode phase's bare model steps.
+    # An error here is recorded (the phase fails) without losing the figures above.
     runner.execute(SchedulerOutput(finished_req_ids={f"kv-{i}" for i in range(256)}))
-    for batch in (1, 64):
+
+    def loop(batch: int) -> None:
         res[f"engine_decode_b{batch}"] = engine_loop(
             runner, blocks, block, max_len, batch, 512 if not dry else 40, 32 if not dry else 4
         )
+
+    run_parts({f"engine_decode_b{b}": functools.partial(loop, b) for b in (1, 64)}, res)
     return res
 
 

@@ -139,3 +139,18 @@ def test_fp8_linears_off_their_operands_fail_the_phase_after_measuring(tmp_path,
     res = json.loads((tmp_path / "fp8.json").read_text())
     assert "wrong layout or scale axis" in res["errors"]["linears"]
     assert "fp8_graphs_b1" in res["linears"] and "errors" not in res["kv_pages"]
+
+
+def test_a_failing_engine_loop_keeps_the_kv_figures_and_fails_the_phase(tmp_path, monkeypatch):
+    """The kv phase's engine-loop timing is a part: when it raises, KV sizing's figures are
+    still written and the phase exits 1 with the error recorded."""
+    import bench.gpu_phases as gpu_phases
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a decode step lost a request")
+
+    monkeypatch.setattr(gpu_phases, "engine_loop", broken)
+    assert gpu_phases.main(["kv", "--work", str(tmp_path), "--dry-run"]) == 1
+    res = json.loads((tmp_path / "kv.json").read_text())
+    assert res["kv_blocks"] > 0 and res["top_p_step"].startswith("ok")
+    assert "lost a request" in res["errors"]["engine_decode_b1"]

@@ -191,15 +191,43 @@ def teacher_forced(ref: tuple, got: list[torch.Tensor]) -> dict[str, Any]:
 def fp8_linears_check(model, dev: torch.device, dry: bool, save: Callable[[], None],
                       res: dict[str, Any]) -> None:  # fmt: skip
     """Fills `res` part by part (saved after each); converts `model`'s linears in place.
-    Raises at the end when the exactness check fails."""
+    The parts (exactness, layers, decode) run whatever the others did, each error kept in
+    `res["errors"]`; raises at the end when any failed, the exactness verdict included."""
+    from bench.gpu_decode import run_parts
+
+    def exact() -> None:
+        res["exact_rel_err"] = exactness(dev, dry)
+        save()
+        if not res["exact_rel_err"] <= EXACT_TOL:
+            raise AssertionError(
+                f"Fp8Linear differs from its own operands' fp32 product by "
+                f"{res['exact_rel_err']:.3g} of the largest output (> {EXACT_TOL:.3g}): a wrong"
+                " layout or scale axis"
+            )
+
+    def layers() -> None:
+        res["layers"] = layer_costs(dev, dry)
+        save()
+
+    failed = run_parts(
+        {
+            "exactness": exact,
+            "layers": layers,
+            "decode": lambda: _decode(model, dev, dry, save, res),
+        },
+        res,
+    )
+    save()
+    if failed:
+        raise RuntimeError("; ".join(f"{name}: {res['errors'][name]}" for name in failed))
+
+
+def _decode(model, dev: torch.device, dry: bool, save: Callable[[], None], res: dict) -> None:
+    """bf16 decode, teacher-forced reference, the linears to fp8, the same again."""
     from bench.gpu_decode import decode_modes, roofline_b1
     from engine.worker.attention.selection import select_attention_backend
     from engine.worker.quant.fp8 import to_fp8
 
-    res["exact_rel_err"] = exactness(dev, dry)
-    save()
-    res["layers"] = layer_costs(dev, dry)
-    save()
     backend = select_attention_backend(
         dev, torch.bfloat16, specs=model.attention_specs, block_size=16
     ).backend
@@ -228,12 +256,6 @@ def fp8_linears_check(model, dev: torch.device, dry: bool, save: Callable[[], No
             key: roofline_b1(nbytes, res[f"{key}_graphs_b1"]["replay_ms"], dev)
             for key, nbytes in (("bf16", bf16_bytes), ("fp8", fp8_bytes))
         }
-    save()
-    if not res["exact_rel_err"] <= EXACT_TOL:
-        raise AssertionError(
-            f"Fp8Linear differs from its own operands' fp32 product by {res['exact_rel_err']:.3g}"
-            f" of the largest output (> {EXACT_TOL:.3g}): a wrong layout or scale axis"
-        )
 
 
 def _weight_bytes(model) -> int:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -93,10 +94,19 @@ def start_server(args: argparse.Namespace, sink: SpanSink, policy: str, **extra:
     cmd = [sys.executable, "-m", "appliance", "serve"]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads), **omp_wait_env()}
     server = Server(f"tenants-{policy}", cmd, env, port)
     server.wait_healthy(600)
     return server
+
+
+# OpenMP's waiting at barriers, passed to the server when set here (docs/config.md,
+# runtime.num_threads: what spinning costs when the clients share the server's cores).
+OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def omp_wait_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in OMP_WAIT_VARS if k in os.environ}
 
 
 def counter(url: str, name: str) -> float:
@@ -330,6 +340,7 @@ def main() -> None:
         **base_record("tenants"),
         "versions": versions(),
         "settings": {k: v for k, v in vars(args).items() if k != "model_dir"},
+        "omp_wait_env": omp_wait_env(),
     }
     points: dict[str, list] = {}
     try:

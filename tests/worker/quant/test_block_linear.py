@@ -142,6 +142,31 @@ def test_column_group_kernels_on_every_shape_edge():
 
 
 @needs_kernels
+def test_the_transposed_bf16_copy_is_the_fp32_copy_rounded_bit_for_bit():
+    """The large-batch path's bf16 copy rounds 16 lanes at a time (csrc/quant_linear_q4g.c,
+    store_bf16x16): the same bits as torch rounding the fp32 copy, on exact ties (1 + 2^-8
+    lies halfway between two bf16 values), a NaN scale and a partial last group."""
+    n, k = 21, 96  # 21 columns: a group of 16 and a partial one
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01).to(torch.float16).float()
+    m = (torch.randn(n, k // 32, generator=g) * 0.1).to(torch.float16).float()
+    d[0, :], m[0, :] = 0.0, 1.00390625  # every weight of column 0 a tie: rounds to even 1.0
+    d[1, 0], m[1, 1] = 2.0**-8, 1.0  # 1 + q 2^-8: ties at odd q
+    d[2, 1], m[3, 2] = float("nan"), float("-inf")
+    groups = to_column_groups(pack_q4(q, d, m))
+    f32 = qkernels.dequantize_t_into(groups, k, torch.empty(k, n))
+    b16 = qkernels.dequantize_t_into(groups, k, torch.empty(k, n, dtype=torch.bfloat16))
+    nan = torch.isnan(f32)
+    assert nan[32:64, 2].all() and nan.sum() == 32
+    bits = b16.view(torch.int16)
+    expected = f32.to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(bits[~nan], expected[~nan])
+    assert (bits[nan] == 0x7FC0).all()  # bf16.h's quiet NaN (torch's own may differ)
+    assert b16[0, 0].item() == 1.0 and torch.isinf(b16[64:, 3]).all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("kernel", ["dot", "rounded"])
 @pytest.mark.parametrize("kind", [Q4, Q8])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])

@@ -159,6 +159,7 @@ static inline void q4_column(const float *x, int64_t xs, const uint8_t *wrow, in
 
 static inline void q8_column(const float *x, int64_t xs, const uint8_t *wrow, int64_t nb,
                              int64_t r0, int rows, float *acc_out) {
+    prefetch_weights(wrow, (int)(nb * Q8_BYTES)); /* this column's bytes, 2 KB on */
 #if defined(QL_AVX512)
 #define Q8_WIDEN(blk, qa, qb)                                                                \
     const __m512 d_##qa = _mm512_set1_ps(half_to_float(blk));                                \

@@ -143,9 +143,9 @@ def test_column_group_kernels_on_every_shape_edge():
 
 @needs_kernels
 def test_the_transposed_bf16_copy_is_the_fp32_copy_rounded_bit_for_bit():
-    """The large-batch path's bf16 copy rounds 16 lanes at a time (csrc/quant_linear_q4g.c,
-    store_bf16x16): the same bits as torch rounding the fp32 copy, on exact ties (1 + 2^-8
-    lies halfway between two bf16 values), a NaN scale and a partial last group."""
+    """The large-batch path's bf16 copy rounds 16 lanes at a time (vec512.h's to_bf16x16):
+    the same bits as torch rounding the fp32 copy, on exact ties (1 + 2^-8 lies halfway
+    between two bf16 values), a NaN scale and a partial last group."""
     n, k = 21, 96  # 21 columns: a group of 16 and a partial one
     g = torch.Generator().manual_seed(5)
     q = torch.randint(0, 16, (n, k), generator=g)

@@ -41,6 +41,7 @@
 #include "bf16.h"
 #include "quant_blocks.h"
 #include "quant_q4g.h"
+#include "vec512.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
@@ -393,20 +394,6 @@ int quant_linear_bf16(const uint16_t *x, int64_t xs, const uint8_t *w, int kind,
 
 /* ---- dequantizing (the large-batch path's dense copy) --------------------------------- */
 
-#if defined(G_AVX512)
-/* f32_to_bf16 (bf16.h) on 16 lanes, the same bits: round to nearest even by adding 0x7FFF
- * plus the lowest kept bit, a NaN becomes 0x7FC0; the masked lanes are stored. The scalar
- * loop it replaces was most of the bf16 dense copy's time. */
-static inline void store_bf16x16(uint16_t *dst, __m512 v, __mmask16 mask) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7FC0));
-    _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(r));
-}
-#endif
 
 /* Q4G -> W^T [K, N] (row stride N), fp32 (bf16 == 0) or bf16 (rounded to nearest even):
  * in this layout a chunk is 16 columns at one feature, so the transposed copy is written
@@ -434,7 +421,9 @@ void q4g_dequantize_t(const uint8_t *w, int64_t N, int64_t K, void *out, int bf1
                     const __m512 v = _mm512_fmadd_ps(dv, _mm512_permutexvar_ps(qi, qt), mv);
                     const int64_t row = (b * QBLOCK + 4 * c + j) * N + n0;
                     if (bf16) {
-                        store_bf16x16((uint16_t *)out + row, v, mask);
+                        /* 16 lanes rounded as f32_to_bf16 (vec512.h): the scalar loop it
+                         * replaced was most of the bf16 copy's time */
+                        _mm256_mask_storeu_epi16((uint16_t *)out + row, mask, to_bf16x16(v));
                     } else {
                         _mm512_mask_storeu_ps((float *)out + row, mask, v);
                     }

@@ -101,9 +101,9 @@ static const float Q_F32[16] __attribute__((aligned(64))) = {0, 1, 2,  3,  4,  5
  * layout above), so the four q vectors are four table permutes of the lane shifted by 0,
  * 8, 4 and 12 bits: 3 shifts + 4 permutes per 64 weights where masking and converting
  * (chunk_bytes' shift and merge, 3 shifts, 3 ANDs, 4 conversions) took 12 operations, most
- * of them on the port the FMAs need. The q values, and so every product and sum, are the same bits. On
- * a 2-core Xeon (6/207/2), SmolLM2's gate/up at one row: 82 -> 65 us (1.25x), 4 rows
- * 1.15x (docs/quantization.md). */
+ * of them on the port the FMAs need. The q values, and so every product and sum, are the
+ * same bits. On a 2-core Xeon (6/207/2), SmolLM2's gate/up at one row: 82 -> 65 us
+ * (1.25x), 4 rows 1.15x (docs/quantization.md). */
 static void group_f32(const float *x, int64_t xs, const uint8_t *gp, int64_t nb,
                       const float *sums, int64_t r0, int R, __m512 *acc) {
     const __m512 qt = _mm512_load_ps(Q_F32);
@@ -393,7 +393,6 @@ int quant_linear_bf16(const uint16_t *x, int64_t xs, const uint8_t *w, int kind,
 }
 
 /* ---- dequantizing (the large-batch path's dense copy) --------------------------------- */
-
 
 /* Q4G -> W^T [K, N] (row stride N), fp32 (bf16 == 0) or bf16 (rounded to nearest even):
  * in this layout a chunk is 16 columns at one feature, so the transposed copy is written

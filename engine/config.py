@@ -257,6 +257,10 @@ class RuntimeConfig:
     # else the torch backend, with the reason in /health and metrics. flashinfer: the probe
     # must pass or start-up stops. torch: the torch paged backend everywhere.
     attention_backend: str = "auto"
+    # On the CPU, freed host memory glibc's malloc keeps for reuse (MiB), with blocks up to
+    # 32 MiB from its heap: a step's activations stop costing page faults. 0: glibc's
+    # defaults. Set once the weights and KV cache are loaded (engine/worker/host_malloc.py).
+    malloc_keep_mib: int = 1024
 
     def __post_init__(self) -> None:
         dev = self.device
@@ -277,6 +281,11 @@ class RuntimeConfig:
             self.attention_backend in ATTENTION_BACKENDS,
             "runtime.attention_backend",
             f"must be one of {ATTENTION_BACKENDS}",
+        )
+        _require(
+            isinstance(self.malloc_keep_mib, int) and 0 <= self.malloc_keep_mib <= 2047,
+            "runtime.malloc_keep_mib",
+            "must be an integer from 0 to 2047 (MiB; 0 keeps glibc's defaults)",
         )
 
 

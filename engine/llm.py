@@ -80,6 +80,7 @@ _OVERRIDES = {
     "cuda_graphs": ("runtime", "cuda_graphs"),
     "cpu_kernels": ("runtime", "cpu_kernels"),
     "attention_backend": ("runtime", "attention_backend"),
+    "malloc_keep_mib": ("runtime", "malloc_keep_mib"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "enable_lora": ("lora", "enabled"),
     "max_loras": ("lora", "max_loras"),

@@ -50,6 +50,7 @@ from engine.speculative import build_speculator, load_draft_model
 from engine.worker.attention.kv_dtype import kv_cache_dtype
 from engine.worker.distributed.group import threads_per_rank
 from engine.worker.distributed.pool import WorkerPool
+from engine.worker.host_malloc import keep_freed_memory
 from engine.worker.kv_sizing import KVGeometry, size_kv_cache
 from engine.worker.kv_tier.setup import (
     RankTiers,
@@ -195,6 +196,8 @@ class LLMEngine(RequestPreparation, AdapterManagement):
                 (geom.num_layers, geom.num_kv_heads, geom.head_dim),
             )  # fmt: skip
         self.runner.allocate_kv_cache(num_blocks)
+        if self.device.type == "cpu":  # loaded: from here on, keep freed memory for the steps
+            keep_freed_memory(rt.malloc_keep_mib)
         if self.tp_workers is not None:
             self.tp_workers.await_ready(num_blocks)
         self.runner.capture_graphs(config.scheduler.max_num_seqs, self.max_model_len)

@@ -60,6 +60,7 @@ class RuntimeSection:
     num_threads: int | None = None
     cpu_kernels: bool = True
     attention_backend: str = "auto"  # auto | flashinfer | torch (see RuntimeConfig)
+    malloc_keep_mib: int = 1024  # see RuntimeConfig
 
 
 @dataclass(frozen=True)
@@ -398,6 +399,7 @@ class AppConfig:
                 num_threads=self.runtime.num_threads,
                 cpu_kernels=self.runtime.cpu_kernels,
                 attention_backend=self.runtime.attention_backend,
+                malloc_keep_mib=self.runtime.malloc_keep_mib,
                 **{name: getattr(self.graphs, name) for name in _GRAPHS_FIELDS},
             )
         except ConfigError as e:

@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.worker.attention.kv_dtype import kv_cache_dtype
 from engine.worker.distributed.group import join_group, leave_group
 from engine.worker.distributed.transport import STOP, RingHandle, StepReader, decode_step
+from engine.worker.host_malloc import keep_freed_memory
 from engine.worker.kv_sizing import KVGeometry, size_kv_cache
 from engine.worker.kv_tier.setup import plan_kv_tiers, start_rank_tier
 from engine.worker.kv_tier.tier_worker import KVTierWorker
@@ -123,6 +124,8 @@ def _start(spec: WorkerSpec, conn: Connection) -> tuple[ModelRunner, KVTierWorke
     plan = plan_kv_tiers(config.cache, geom.bytes_per_block, device, size)
     num_blocks += plan.extra_pool_blocks  # as rank 0 does (the CPU's host_tier_gib)
     runner.allocate_kv_cache(num_blocks)
+    if device.type == "cpu":  # as rank 0 does once loaded
+        keep_freed_memory(config.runtime.malloc_keep_mib)
     tier, listing = start_rank_tier(
         config, plan, runner.kv_caches, device, loaded.model_dir, loaded.dtype,
         (geom.num_layers, geom.num_kv_heads, geom.head_dim), spec.rank,

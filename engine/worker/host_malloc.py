@@ -5,9 +5,12 @@ MLP activations are several MiB each). glibc's malloc serves blocks above its mm
 with fresh `mmap`s and returns free memory at the top of its heap to the OS once it exceeds
 the trim threshold (both start at 128 KiB and move with what is freed, the mmap threshold
 up to 32 MiB), so the next step's tensors arrive as new pages: a page fault and a zeroed
-4 KiB page each time. On a 2-core Xeon, W64 on llama50m in bf16 (bench/throughput.py's
-workload) took 40,000-170,000 minor faults and 0.1-0.4 s of system time a run; with the
-settings below 5,000-13,000 and 0.01-0.05 s (docs/benchmarks.md). vLLM's CPU guide gets
+4 KiB page each time. On a 2-core Xeon (`python bench/malloc_keep.py`, llama50m in bf16,
+bench/results/malloc_keep.jsonl): W64's prompts alone (one output token each) took
+26,000-204,000 minor faults and 0.05-0.37 s of system time a run with glibc's defaults,
+500-11,000 and 0-0.04 s with the settings below, and ran 1.13x faster (the median of 18
+runs paired by prompts; 17 faster); the whole W64 (128 decode steps) 0.99x, no change
+beyond this box's noise, with faults 2,000-173,000 -> 1,700-16,500. vLLM's CPU guide gets
 the same effect by preloading tcmalloc.
 
 `keep_freed_memory(keep_mib)` fixes the mmap threshold at glibc's largest (32 MiB) and the

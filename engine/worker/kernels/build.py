@@ -61,6 +61,7 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "quant_linear_bf16": [_ptr, _i64, _ptr, _i32, _i64, _i64, _ptr, _ptr, _i64, _i64, _i32],
     "q4g_bf16_native": [],
     "q4g_use_bf16_dot": [_i32],
+    "q4g_i16_prep": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
     "decoder_stack": [_ptr, _ptr, _i32],
     "q4g_dequantize_t": [_ptr, _i64, _i64, _ptr, _i32, _i32],
     "decoder_stack_workspace": [_ptr, _i64],
@@ -75,7 +76,7 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
 
 _RETURNS_INT = (
     "paged_attention", "quant_linear", "quant_linear_i8", "quant_linear_rounded",
-    "quant_linear_bf16", "q4g_bf16_native", "decoder_stack", "prefill_attention",
+    "quant_linear_bf16", "q4g_bf16_native", "decoder_stack", "prefill_attention", "q4g_i16_prep",
 )  # fmt: skip
 
 _lock = threading.Lock()
@@ -139,19 +140,25 @@ def _load() -> ctypes.CDLL:
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int if name in _RETURNS_INT else None
     lib.decoder_stack_workspace.restype = ctypes.c_int64
-    lib.q4g_use_bf16_dot(int(_bf16_dot_pays()))
+    lib.q4g_use_bf16_dot(_bf16_mode())
     return lib
 
 
-def _bf16_dot_pays() -> bool:
-    """Whether the q4 kernels multiply bf16 rows with VDPBF16PS here (csrc/quant_linear_q4g.c):
-    on AMD (Zen 4/5) yes, on Intel no; `APPLIANCE_Q4G_BF16_DOT=on|off` decides instead."""
+# How the q4 column-group kernels multiply bf16 rows (csrc/quant_q4g.h's Q4G_BF16_*).
+BF16_MODES = {"off": 0, "on": 1, "i16": 2}
+
+
+def _bf16_mode() -> int:
+    """How the q4 kernels multiply bf16 rows here (csrc/quant_linear_q4g.c): on AMD (Zen 4/5)
+    VDPBF16PS ("on"); on Intel, where VDPBF16PS issues at half the FMA rate, the rows as exact
+    int16 planes and VPDPWSSD ("i16"; a build without AVX512-VNNI widens them to fp32 instead).
+    `APPLIANCE_Q4G_BF16_DOT=on|off|i16` decides instead ("off": widened to fp32)."""
     forced = os.environ.get("APPLIANCE_Q4G_BF16_DOT", "auto").lower()
-    if forced in ("1", "on", "true", "yes", "0", "off", "false", "no"):
-        return forced in ("1", "on", "true", "yes")
+    if forced in BF16_MODES:
+        return BF16_MODES[forced]
     from engine.worker.cpu_features import detect_cpu_features
 
-    return detect_cpu_features().vendor != "GenuineIntel"
+    return BF16_MODES["i16" if detect_cpu_features().vendor == "GenuineIntel" else "on"]
 
 
 def library() -> ctypes.CDLL | None:

@@ -4,7 +4,8 @@
 column-group blocks (engine/worker/quant/blocks.py) without dequantizing it in memory;
 `linear_bf16` takes and returns bf16 rows (fp32 inside, one rounding). `available()` says
 whether the library loaded, `bf16_native()` whether the column-group kernel multiplies bf16
-rows with the CPU's bf16 dot product (else they are widened to fp32 inside the C call).
+rows as they are (VDPBF16PS on AMD, exact int16 planes and VPDPWSSD on Intel; else they are
+widened to fp32 inside the C call).
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ CPU with the kernel library loaded:
     rows <  dense_rows   csrc/quant_linear_q4g.c for q4 column groups, csrc/quant_linear.c
                          for q8 (`model.quant_activations` float, the default): fp32 rows
                          times the weights widened in registers, exactly the dequantized
-                         weights' products; bf16 rows in and out of one C call (q4 groups
-                         on AVX512-BF16: the bf16 dot product of q with the rows, exact per
-                         product; else widened inside); or csrc/quant_linear_i8.c (int8):
+                         weights' products; bf16 rows in and out of one C call (q4 groups:
+                         on AMD the bf16 dot product of q with the rows, exact per product;
+                         on Intel the rows as exact int16 planes times q by VPDPWSSD; else
+                         widened inside); or csrc/quant_linear_i8.c (int8):
                          the rows rounded to int8 per 32 values, then below INT8_DOT_ROWS
                          one byte-wise multiply-add per block, from there the rounded rows
                          through the fp32 kernel. All read each block once per 4 rows.
@@ -38,8 +39,9 @@ CPU with the kernel library loaded:
                          bytes written and read, twice the FLOPs on AVX512-BF16 / AMX)
 
 The same rule on every x86 ISA, with the code the compiler targets: the q4 column-group
-kernel has AVX-512 (with AVX512-BF16: the bf16 dot product), AVX2 + FMA + F16C and plain C
-paths (bf16 rows are widened to fp32 inside the C call where there is no bf16 dot product);
+kernel has AVX-512 (with AVX512-BF16: the bf16 dot product; with AVX512-VNNI: int16 planes),
+AVX2 + FMA + F16C and plain C paths (bf16 rows are widened to fp32 inside the C call where
+neither applies);
 the q8 and int8 kernels are AVX2 + FMA + F16C code with AVX-512 row paths (the int8 one uses
 VNNI's `dpbusd` where the compiler targets AVX512-VNNI or AVX-VNNI, `maddubs` + `madd`
 otherwise). With int8 activations the dense path rounds

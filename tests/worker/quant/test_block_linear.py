@@ -325,11 +325,11 @@ def test_column_group_kernels_built_for_avx2_and_for_plain_c(march, tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dot", ["on", "off"])
-def test_bf16_rows_with_and_without_vdpbf16ps(dot):
-    """bf16 rows take VDPBF16PS only where it pays (AMD; Intel widens to fp32: build.py's
-    `_bf16_dot_pays`); both paths stay right on whatever CPU runs the suite, the switch
-    forced by APPLIANCE_Q4G_BF16_DOT in a subprocess."""
+@pytest.mark.parametrize("dot", ["on", "off", "i16"])
+def test_bf16_rows_in_each_mode(dot):
+    """bf16 rows take VDPBF16PS on AMD and exact int16 planes with VPDPWSSD on Intel
+    (build.py's `_bf16_mode`); every mode stays right on whatever CPU runs the suite, the
+    switch forced by APPLIANCE_Q4G_BF16_DOT in a subprocess (a mode the CPU lacks widens)."""
     from engine.worker.cpu_features import detect_cpu_features
 
     env = dict(os.environ, APPLIANCE_Q4G_BF16_DOT=dot)  # the same library: a runtime switch
@@ -337,5 +337,16 @@ def test_bf16_rows_with_and_without_vdpbf16ps(dot):
         [sys.executable, "-c", _ISA_CHECK], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    has = detect_cpu_features().avx512_bf16
-    assert f"native bf16 {dot == 'on' and has}" in proc.stdout
+    has = {"on": detect_cpu_features().avx512_bf16, "off": False, "i16": _has_vnni512()}[dot]
+    assert f"native bf16 {has}" in proc.stdout
+
+
+def _has_vnni512() -> bool:
+    """Whether -march=native gives the kernels AVX-512 VNNI (and the BW/VL they need)."""
+    try:
+        flags = next(
+            line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")
+        ).split()
+    except (OSError, StopIteration):
+        return False
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"))

@@ -82,6 +82,10 @@ typedef struct { /* cpu_stack.py: StackStep */
 typedef struct {
     void *x, *qkv, *attn, *gu, *act; /* activations' dtype */
     float *xf, *yf, *sums;           /* fp32: widened rows, fp32 outputs, block sums */
+    int16_t *planes;                 /* bf16 rows as int16 planes (Q4G_BF16_I16): 2 x [T, K] */
+    float *scales;                   /* ... their scales, 2 per row and block */
+    uint8_t *two;                    /* ... whether a row's block uses the second plane */
+    int *planes_ok;                  /* ... set by the thread that made them, read by all */
 } buffers_t;
 
 static int64_t widest_in(const stack_model_t *m) {
@@ -101,13 +105,16 @@ static int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 static int64_t layout(const stack_model_t *m, int64_t T, char *work, buffers_t *b) {
     const int64_t e = m->bf16 ? 2 : 4, K = widest_in(m), N = widest_out(m);
     const int64_t qkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    const int64_t sizes[8] = {T * m->hidden * e, T * qkv * e, T * m->heads * m->head_dim * e,
-                              T * 2 * m->inter * e, T * m->inter * e, T * K * 4, T * N * 4,
-                              T * (K / 32 + 1) * 4};
-    void **slots[8] = {&b->x, &b->qkv, &b->attn, &b->gu, &b->act,
-                       (void **)&b->xf, (void **)&b->yf, (void **)&b->sums};
+    const int64_t sizes[12] = {T * m->hidden * e, T * qkv * e, T * m->heads * m->head_dim * e,
+                               T * 2 * m->inter * e, T * m->inter * e, T * K * 4, T * N * 4,
+                               T * (K / 32 + 1) * 4, 2 * T * K * 2, T * (K / 32 + 1) * 8,
+                               T * (K / 32 + 1), 4};
+    void **slots[12] = {&b->x, &b->qkv, &b->attn, &b->gu, &b->act,
+                        (void **)&b->xf, (void **)&b->yf, (void **)&b->sums,
+                        (void **)&b->planes, (void **)&b->scales, (void **)&b->two,
+                        (void **)&b->planes_ok};
     int64_t off = 0;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 12; i++) {
         if (work) *slots[i] = work + off;
         off += align64(sizes[i]);
     }
@@ -126,7 +133,21 @@ static void linear(const stack_model_t *m, const stack_layer_t *L, int which, co
     const uint8_t *w = L->w[which];
     const float *bias = L->bias[which];
     const int64_t nb = K / 32;
-    if (m->bf16 && kind == Q4G_KIND && q4g_bf16_native()) {
+    if (m->bf16 && kind == Q4G_KIND && q4g_bf16_native() == Q4G_BF16_I16) {
+        /* as quant_linear_bf16: the rows as int16 planes once, then every thread's groups */
+#pragma omp single
+        {
+            q4g_block_sums(x, K, T, nb, 1, b->sums);
+            *b->planes_ok = q4g_i16_prep((const uint16_t *)x, K, T, nb, b->planes,
+                                         b->planes + T * K, b->scales, b->two);
+        }
+        if (*b->planes_ok) {
+            q4g_linear_i16_body(b->planes, b->planes + T * K, b->scales, b->two, w, N, K, bias,
+                                (uint16_t *)y, N, T, b->sums);
+            return;
+        }
+        /* an infinity or a NaN in the rows: widened below, as quant_linear_bf16 does */
+    } else if (m->bf16 && kind == Q4G_KIND && q4g_bf16_native()) {
 #pragma omp single
         q4g_block_sums(x, K, T, nb, 1, b->sums);
         q4g_linear_bf16_body((const uint16_t *)x, K, w, N, K, bias, (uint16_t *)y, N, T,

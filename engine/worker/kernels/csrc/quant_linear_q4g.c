@@ -25,11 +25,13 @@
  * Products: fp32 rows (`q4g_linear_f32`): q widened to fp32, an FMA per weight with the
  * broadcast activation, then d and m applied per block: d * sum(q x) + m * sum(x), the
  * dequantized weights' product up to the order of fp32 additions, as quant_linear.c.
- * bf16 rows (`q4g_linear_bf16`, AVX512-BF16): each q (0..15) is exact in bf16, so the
- * pairwise bf16 dot product (VDPBF16PS) of q with the bf16 activations is exact per product
- * and accumulates in fp32; the result gets d, m and the bias in fp32 and is rounded to bf16
- * once, as the fp32 kernel's result rounded would be (the instruction treats bf16 denormals
- * as zero). Without AVX512-BF16 the bf16 entry widens the rows and runs the fp32 kernel.
+ * bf16 rows (`quant_linear_bf16`): on AMD (AVX512-BF16) each q (0..15) is exact in bf16, so
+ * the pairwise bf16 dot product (VDPBF16PS) of q with the bf16 activations is exact per
+ * product and accumulates in fp32; on Intel (AVX512-VNNI) the rows become exact int16
+ * planes and VPDPWSSD sums q x per block exactly (group_i16 below). Either way the result
+ * gets d, m and the bias in fp32 and is rounded to bf16 once, as the fp32 kernel's result
+ * rounded would be (VDPBF16PS treats bf16 denormals as zero). Otherwise the bf16 entry
+ * widens the rows and runs the fp32 kernel.
  *
  * Both parallelize over groups of columns with an orphaned `omp for`, so the functions
  * ending in `_body` also run inside a caller's parallel region (csrc/decoder_stack.c).
@@ -52,6 +54,9 @@
 #endif
 #if defined(G_AVX512) && defined(__AVX512BF16__)
 #define G_BF16 1
+#endif
+#if defined(G_AVX512) && defined(__AVX512VNNI__)
+#define G_I16 1
 #endif
 
 #define RT 4 /* rows per pass over a group's blocks */
@@ -254,21 +259,25 @@ int q4g_linear_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, int6
 
 /* ---- bf16 rows ------------------------------------------------------------------------ */
 
-/* Whether bf16 rows take VDPBF16PS (else they are widened to fp32 and FMA'd): built in
- * where the ISA has it, used where it pays (`q4g_use_bf16_dot`, set at load from the CPU's
- * vendor: engine/worker/kernels/build.py). On Intel VDPBF16PS issues on one port against two
- * FMA ports: the bf16 decoder stack at one row ran 9.6 ms against 7.2 ms widened (a Xeon
- * with AMX, SmolLM2 q4); on Zen 4 it is the faster path. */
-static int q4g_bf16_dot_on = 1;
+/* How bf16 rows are multiplied, chosen at load from the CPU's vendor (`q4g_use_bf16_dot`,
+ * engine/worker/kernels/build.py): on AMD (Zen 4) VDPBF16PS (group_bf16 below); on Intel,
+ * where VDPBF16PS issues at half the FMA rate (the bf16 decoder stack at one row ran 9.6 ms
+ * against 7.2 ms widened on a Xeon with AMX), the rows as exact int16 planes and VPDPWSSD
+ * (group_i16); with neither, the rows are widened to fp32 and FMA'd. */
+static int q4g_bf16_mode = Q4G_BF16_DOT;
 
-void q4g_use_bf16_dot(int on) { q4g_bf16_dot_on = on; }
+/* Q4G_BF16_WIDEN, Q4G_BF16_DOT or Q4G_BF16_I16 (quant_q4g.h); a mode this build cannot run
+ * widens. */
+void q4g_use_bf16_dot(int mode) { q4g_bf16_mode = mode; }
 
 int q4g_bf16_native(void) {
-#if defined(G_BF16)
-    return q4g_bf16_dot_on;
-#else
-    return 0;
+#if defined(G_I16)
+    if (q4g_bf16_mode == Q4G_BF16_I16) return Q4G_BF16_I16;
 #endif
+#if defined(G_BF16)
+    if (q4g_bf16_mode == Q4G_BF16_DOT) return Q4G_BF16_DOT;
+#endif
+    return Q4G_BF16_WIDEN;
 }
 
 #if defined(G_BF16)
@@ -318,6 +327,218 @@ static void group_bf16(const uint16_t *x, int64_t xs, const uint8_t *gp, int64_t
     }
 }
 #endif
+
+
+/* ---- bf16 rows as exact int16 planes (Q4G_BF16_I16) ----------------------------------- */
+
+/* A bf16 value is an integer m (its 8-bit significand, the implicit bit included) times
+ * 2^(E - 134) (E its biased exponent, 1 for subnormals). Per row and 32-value block, with
+ * emax the largest E of the block's nonzero values and d = emax - E:
+ *   plane 1: d <= 7        m << (7 - d)          (|.| <= 255 << 7), value = p1 * 2^(emax - 141)
+ *   plane 2: 8 <= d <= 15  m << (15 - d)                            value = p2 * 2^(emax - 149)
+ *            d >= 16       m * 2^(15 - d) rounded half away from zero (below 2^-23 of the
+ *                          block's largest value; 0.5 % of the blocks of SmolLM2's layer inputs)
+ * so VPDPWSSD multiplies q (0..15) with the planes exactly: a block's sum per plane is an
+ * integer below 32 * 15 * 32640 < 2^24, exact in int32 and in fp32, and the block's q.x is
+ * S1 * 2^(emax - 141) + S2 * 2^(emax - 149), one rounding (an FMA). The fp32 path it
+ * replaces rounds every product's sum. Infinities and NaNs have no plane: the prep reports
+ * them and the caller widens the rows to fp32 instead.
+ *
+ * Why: on an Intel Xeon (6/207/2) the fp32 kernel's table permutes and FMAs take 12
+ * instructions per 64 weights; here a chunk costs a widening, 3 shifts/ternary ops, an OR,
+ * an AND and 2 VPDPWSSD per row (2 more for the rows whose block needs plane 2); VPDPWSSD
+ * issues on two ports, the permutes on one (docs/quantization.md). */
+
+#if defined(G_I16)
+/* scale 2^e as a float (0 below the smallest subnormal) */
+static inline float pow2f(int e) {
+    if (e >= -126) {
+        const uint32_t bits = (uint32_t)(e + 127) << 23;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    return e >= -149 ? (float)(1.0 / (double)(1ULL << (-e - 126))) * 1.17549435e-38f : 0.0f;
+}
+
+int q4g_i16_prep(const uint16_t *x, int64_t xs, int64_t M, int64_t nb, int16_t *x1,
+                 int16_t *x2, float *sc, uint8_t *two) {
+    const __m512i ff = _mm512_set1_epi16(0xFF), lo7 = _mm512_set1_epi16(0x7F);
+    const __m512i b80 = _mm512_set1_epi16(0x80), one = _mm512_set1_epi16(1);
+    const __m512i c7 = _mm512_set1_epi16(7), c15 = _mm512_set1_epi16(15);
+    const __m512i c16 = _mm512_set1_epi16(16), zero = _mm512_setzero_si512();
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512i v = _mm512_loadu_si512(x + r * xs + b * QBLOCK);
+            const __m512i e = _mm512_and_si512(_mm512_srli_epi16(v, 7), ff);
+            if (_mm512_cmpeq_epi16_mask(e, ff)) return 0; /* inf or NaN */
+            const __mmask32 normal = _mm512_cmpneq_epi16_mask(e, zero);
+            const __m512i mant = _mm512_and_si512(v, lo7);
+            /* m: the significand, with its implicit bit where the value is normal */
+            const __m512i mm = _mm512_mask_mov_epi16(mant, normal, _mm512_or_si512(mant, b80));
+            const __mmask32 nz = _mm512_cmpneq_epi16_mask(mm, zero);
+            const __m512i E = _mm512_max_epu16(e, one);
+            const __m512i En = _mm512_maskz_mov_epi16(nz, E);
+            const __m512i e32 = _mm512_max_epu32(
+                _mm512_cvtepu16_epi32(_mm512_castsi512_si256(En)),
+                _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(En, 1)));
+            const int emax = _mm512_reduce_max_epu32(e32);
+            int16_t *p1 = x1 + (r * nb + b) * QBLOCK, *p2 = x2 + (r * nb + b) * QBLOCK;
+            const int64_t rb = r * nb + b;
+            if (!nz) { /* all zeros */
+                _mm512_storeu_si512(p1, zero);
+                _mm512_storeu_si512(p2, zero);
+                sc[2 * rb] = sc[2 * rb + 1] = 0.0f;
+                two[rb] = 0;
+                continue;
+            }
+            const __m512i d = _mm512_sub_epi16(_mm512_set1_epi16((short)emax), E);
+            const __mmask32 in1 = nz & _mm512_cmple_epu16_mask(d, c7);
+            const __mmask32 in2 = nz & ~in1 & _mm512_cmple_epu16_mask(d, c15);
+            const __mmask32 tiny = nz & ~in1 & ~in2;
+            __m512i v1 = _mm512_maskz_sllv_epi16(in1, mm, _mm512_sub_epi16(c7, d));
+            __m512i v2 = _mm512_maskz_sllv_epi16(in2, mm, _mm512_sub_epi16(c15, d));
+            if (tiny) { /* (m + 2^(d - 16)) >> (d - 15): counts of 16 and more give 0 */
+                const __m512i half = _mm512_sllv_epi16(one, _mm512_sub_epi16(d, c16));
+                const __m512i rounded = _mm512_srlv_epi16(_mm512_add_epi16(mm, half),
+                                                          _mm512_sub_epi16(d, c15));
+                v2 = _mm512_mask_mov_epi16(v2, tiny, rounded);
+            }
+            const __mmask32 neg = _mm512_test_epi16_mask(v, _mm512_set1_epi16((short)0x8000));
+            v1 = _mm512_mask_sub_epi16(v1, neg, zero, v1);
+            v2 = _mm512_mask_sub_epi16(v2, neg, zero, v2);
+            _mm512_storeu_si512(p1, v1);
+            _mm512_storeu_si512(p2, v2);
+            sc[2 * rb] = pow2f(emax - 141);
+            sc[2 * rb + 1] = pow2f(emax - 149);
+            two[rb] = _mm512_test_epi16_mask(v2, v2) != 0;
+        }
+    return 1;
+}
+
+#else
+int q4g_i16_prep(const uint16_t *x, int64_t xs, int64_t M, int64_t nb, int16_t *x1,
+                 int16_t *x2, float *sc, uint8_t *two) {
+    (void)x, (void)xs, (void)M, (void)nb, (void)x1, (void)x2, (void)sc, (void)two;
+    return 0; /* no int16 path in this build: the caller widens */
+}
+#endif
+
+#if defined(G_I16)
+#define RI 4 /* rows per pass of the int16 kernel (all its accumulators in registers) */
+
+/* One chunk (4 features of 16 columns) as int16 word pairs: each lane holds
+ * q[k] | q[k+2] << 4 | q[k+1] << 8 | q[k+3] << 12 widened to 32 bits; A gets the words
+ * (q[k], q[k+1]), B (q[k+2], q[k+3]). */
+static inline __attribute__((always_inline)) void chunk_words(const uint8_t *p, __m512i M4,
+                                                              __m512i *A, __m512i *B) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i t = _mm512_slli_epi32(v, 8);
+    *A = _mm512_ternarylogic_epi32(v, t, M4, 0xA8); /* (v | t) & M4 */
+    *B = _mm512_and_si512(_mm512_srli_epi32(_mm512_or_si512(v, t), 4), M4);
+}
+
+/* a row's two bf16-pair activations for a chunk, broadcast (x[k], x[k+1]) / (x[k+2], x[k+3]) */
+static inline __attribute__((always_inline)) __m512i pair_at(const int16_t *p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    return _mm512_set1_epi32(w);
+}
+
+/* Rows [r0, r0 + R) of one group (R a literal 1-4 at the call sites, so every accumulator
+ * below is a register): two chunks a step, per row and plane four chains at 1-2 rows (the
+ * VPDPWSSD latency), two at 3-4 (32 registers). */
+static inline __attribute__((always_inline)) void
+group_i16(const int16_t *x1, const int16_t *x2, const float *sc, const uint8_t *two,
+          int64_t K, const uint8_t *gp, int64_t nb, const float *sums, int64_t r0, const int R,
+          __m512 *acc) {
+    const __m512i M4 = _mm512_set1_epi32(0x000F000F);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = gp + b * Q4G_BYTES;
+        prefetch_weights(blk, Q4G_BYTES);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        int any2 = 0;
+        for (int r = 0; r < R; r++) any2 |= two[(r0 + r) * nb + b];
+        const int h = R <= 2 ? 2 : 0; /* where the odd chunk's chains start */
+        __m512i s1[RI][4], s2[RI][4];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 4; i++) s1[r][i] = s2[r][i] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c += 2) {
+            __m512i A0, B0, A1, B1;
+            chunk_words(blk + Q4G_HEAD + 32 * c, M4, &A0, &B0);
+            chunk_words(blk + Q4G_HEAD + 32 * (c + 1), M4, &A1, &B1);
+            for (int r = 0; r < R; r++) {
+                const int16_t *p = x1 + (r0 + r) * K + b * QBLOCK + 4 * c;
+                s1[r][0] = _mm512_dpwssd_epi32(s1[r][0], A0, pair_at(p));
+                s1[r][1] = _mm512_dpwssd_epi32(s1[r][1], B0, pair_at(p + 2));
+                s1[r][h] = _mm512_dpwssd_epi32(s1[r][h], A1, pair_at(p + 4));
+                s1[r][h + 1] = _mm512_dpwssd_epi32(s1[r][h + 1], B1, pair_at(p + 6));
+            }
+            if (any2)
+                for (int r = 0; r < R; r++) {
+                    const int16_t *p = x2 + (r0 + r) * K + b * QBLOCK + 4 * c;
+                    s2[r][0] = _mm512_dpwssd_epi32(s2[r][0], A0, pair_at(p));
+                    s2[r][1] = _mm512_dpwssd_epi32(s2[r][1], B0, pair_at(p + 2));
+                    s2[r][h] = _mm512_dpwssd_epi32(s2[r][h], A1, pair_at(p + 4));
+                    s2[r][h + 1] = _mm512_dpwssd_epi32(s2[r][h + 1], B1, pair_at(p + 6));
+                }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t rb = (r0 + r) * nb + b;
+            const __m512i i1 = _mm512_add_epi32(_mm512_add_epi32(s1[r][0], s1[r][1]),
+                                                _mm512_add_epi32(s1[r][2], s1[r][3]));
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(sc[2 * rb]));
+            if (two[rb]) {
+                const __m512i i2 = _mm512_add_epi32(_mm512_add_epi32(s2[r][0], s2[r][1]),
+                                                    _mm512_add_epi32(s2[r][2], s2[r][3]));
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), _mm512_set1_ps(sc[2 * rb + 1]), t);
+            }
+            acc[r] = _mm512_fmadd_ps(dv, t, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sums[rb]), acc[r]);
+        }
+    }
+}
+#endif
+
+/* bf16 [M, N] outputs (bias in fp32, one rounding) from q4g_i16_prep's planes (row stride K,
+ * scales and flags per row and block). A build without the path does nothing: the caller
+ * checks q4g_bf16_native() == Q4G_BF16_I16 first. */
+void q4g_linear_i16_body(const int16_t *x1, const int16_t *x2, const float *sc,
+                         const uint8_t *two, const uint8_t *w, int64_t N, int64_t K,
+                         const float *bias, uint16_t *y, int64_t ys, int64_t M,
+                         const float *sums) {
+#if defined(G_I16)
+    const int64_t nb = K / QBLOCK, G = (N + Q4G_COLS - 1) / Q4G_COLS;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *gp = w + g * nb * Q4G_BYTES;
+        const int64_t n0 = g * Q4G_COLS;
+        const int valid = N - n0 < Q4G_COLS ? (int)(N - n0) : Q4G_COLS;
+        float out[Q4G_COLS];
+        for (int64_t r0 = 0; r0 < M; r0 += RI) {
+            const int R = (int)(M - r0 < RI ? M - r0 : RI);
+            __m512 acc[RI];
+            switch (R) { /* a literal row count each: see group_i16 */
+            case 4: group_i16(x1, x2, sc, two, K, gp, nb, sums, r0, 4, acc); break;
+            case 3: group_i16(x1, x2, sc, two, K, gp, nb, sums, r0, 3, acc); break;
+            case 2: group_i16(x1, x2, sc, two, K, gp, nb, sums, r0, 2, acc); break;
+            default: group_i16(x1, x2, sc, two, K, gp, nb, sums, r0, 1, acc);
+            }
+            for (int r = 0; r < R; r++) {
+                _mm512_storeu_ps(out, acc[r]);
+                for (int i = 0; i < valid; i++)
+                    y[(r0 + r) * ys + n0 + i] =
+                        f32_to_bf16(out[i] + (bias ? bias[n0 + i] : 0.0f));
+            }
+        }
+    }
+#else
+    (void)x1, (void)x2, (void)sc, (void)two, (void)w, (void)N, (void)K, (void)bias, (void)y;
+    (void)ys, (void)M, (void)sums;
+#endif
+}
 
 /* bf16 rows in, bf16 rows out (fp32 inside, one rounding). Native path only: the caller
  * checks q4g_bf16_native() (q4g_linear_bf16 below falls back by itself). */
@@ -383,6 +604,28 @@ int quant_linear_bf16(const uint16_t *x, int64_t xs, const uint8_t *w, int kind,
     if (kind != Q4G_KIND || !q4g_bf16_native())
         return widened_bf16(x, xs, w, kind, N, K, bias, y, ys, M, num_threads);
     const int64_t nb = K / QBLOCK;
+    if (q4g_bf16_native() == Q4G_BF16_I16) {
+        float *sums = (float *)malloc(sizeof(float) * (size_t)(M * nb * 3));
+        int16_t *planes = (int16_t *)malloc(sizeof(int16_t) * (size_t)(2 * M * K));
+        uint8_t *two = (uint8_t *)malloc((size_t)(M * nb));
+        int rc = -1;
+        if (sums && planes && two) {
+            float *sc = sums + M * nb;
+            q4g_block_sums(x, xs, M, nb, 1, sums);
+            if (q4g_i16_prep(x, xs, M, nb, planes, planes + M * K, sc, two)) {
+#pragma omp parallel num_threads(num_threads) if (N * nb * M > 4096)
+                q4g_linear_i16_body(planes, planes + M * K, sc, two, w, N, K, bias, y, ys, M,
+                                    sums);
+                rc = 0;
+            } else { /* an infinity or a NaN: no plane holds it */
+                rc = widened_bf16(x, xs, w, kind, N, K, bias, y, ys, M, num_threads);
+            }
+        }
+        free(sums);
+        free(planes);
+        free(two);
+        return rc;
+    }
     float *sums = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     if (!sums) return -1;
     q4g_block_sums(x, xs, M, nb, 1, sums);

@@ -17,7 +17,17 @@ int q4g_linear_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, int6
 void q4g_linear_f32_body(const float *x, int64_t xs, const uint8_t *w, int64_t N, int64_t K,
                          const float *bias, float *y, int64_t ys, int64_t M,
                          const float *sums);
+/* How bf16 rows are multiplied (q4g_bf16_native(), set by q4g_use_bf16_dot at load) */
+#define Q4G_BF16_WIDEN 0 /* widened to fp32, the fp32 kernel, rounded */
+#define Q4G_BF16_DOT 1   /* VDPBF16PS (AMD) */
+#define Q4G_BF16_I16 2   /* exact int16 planes and VPDPWSSD (Intel) */
 int q4g_bf16_native(void);
+int q4g_i16_prep(const uint16_t *x, int64_t xs, int64_t M, int64_t nb, int16_t *x1,
+                 int16_t *x2, float *sc, uint8_t *two);
+void q4g_linear_i16_body(const int16_t *x1, const int16_t *x2, const float *sc,
+                         const uint8_t *two, const uint8_t *w, int64_t N, int64_t K,
+                         const float *bias, uint16_t *y, int64_t ys, int64_t M,
+                         const float *sums);
 void q4g_linear_bf16_body(const uint16_t *x, int64_t xs, const uint8_t *w, int64_t N,
                           int64_t K, const float *bias, uint16_t *y, int64_t ys, int64_t M,
                           const float *sums);

@@ -259,6 +259,20 @@ int q4g_linear_f32(const float *x, int64_t xs, const uint8_t *w, int64_t N, int6
 
 /* ---- bf16 rows ------------------------------------------------------------------------ */
 
+#if defined(G_AVX512)
+/* One group's outputs for rows [r0, r0 + R) as bf16: the bias added in fp32, one rounding
+ * (the bf16-row kernels' common end). */
+static inline void store_bf16_rows(const __m512 *acc, int R, int64_t r0, uint16_t *y,
+                                   int64_t ys, int64_t n0, int valid, const float *bias) {
+    float out[Q4G_COLS];
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out, acc[r]);
+        for (int i = 0; i < valid; i++)
+            y[(r0 + r) * ys + n0 + i] = f32_to_bf16(out[i] + (bias ? bias[n0 + i] : 0.0f));
+    }
+}
+#endif
+
 /* How bf16 rows are multiplied, chosen at load from the CPU's vendor (`q4g_use_bf16_dot`,
  * engine/worker/kernels/build.py): on AMD (Zen 4) VDPBF16PS (group_bf16 below); on Intel,
  * where VDPBF16PS issues at half the FMA rate (the bf16 decoder stack at one row ran 9.6 ms
@@ -516,7 +530,6 @@ void q4g_linear_i16_body(const int16_t *x1, const int16_t *x2, const float *sc,
         const uint8_t *gp = w + g * nb * Q4G_BYTES;
         const int64_t n0 = g * Q4G_COLS;
         const int valid = N - n0 < Q4G_COLS ? (int)(N - n0) : Q4G_COLS;
-        float out[Q4G_COLS];
         for (int64_t r0 = 0; r0 < M; r0 += RI) {
             const int R = (int)(M - r0 < RI ? M - r0 : RI);
             __m512 acc[RI];
@@ -526,12 +539,7 @@ void q4g_linear_i16_body(const int16_t *x1, const int16_t *x2, const float *sc,
             case 2: group_i16(x1, x2, sc, two, K, gp, nb, sums, r0, 2, acc); break;
             default: group_i16(x1, x2, sc, two, K, gp, nb, sums, r0, 1, acc);
             }
-            for (int r = 0; r < R; r++) {
-                _mm512_storeu_ps(out, acc[r]);
-                for (int i = 0; i < valid; i++)
-                    y[(r0 + r) * ys + n0 + i] =
-                        f32_to_bf16(out[i] + (bias ? bias[n0 + i] : 0.0f));
-            }
+            store_bf16_rows(acc, R, r0, y, ys, n0, valid, bias);
         }
     }
 #else
@@ -552,17 +560,11 @@ void q4g_linear_bf16_body(const uint16_t *x, int64_t xs, const uint8_t *w, int64
         const uint8_t *gp = w + g * nb * Q4G_BYTES;
         const int64_t n0 = g * Q4G_COLS;
         const int valid = N - n0 < Q4G_COLS ? (int)(N - n0) : Q4G_COLS;
-        float out[Q4G_COLS];
         for (int64_t r0 = 0; r0 < M; r0 += RT) {
             const int R = (int)(M - r0 < RT ? M - r0 : RT);
             __m512 acc[RT];
             group_bf16(x, xs, gp, nb, sums, r0, R, acc);
-            for (int r = 0; r < R; r++) {
-                _mm512_storeu_ps(out, acc[r]);
-                for (int i = 0; i < valid; i++)
-                    y[(r0 + r) * ys + n0 + i] =
-                        f32_to_bf16(out[i] + (bias ? bias[n0 + i] : 0.0f));
-            }
+            store_bf16_rows(acc, R, r0, y, ys, n0, valid, bias);
         }
     }
 #else

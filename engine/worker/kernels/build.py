@@ -141,11 +141,18 @@ def _load() -> ctypes.CDLL:
         fn.restype = ctypes.c_int if name in _RETURNS_INT else None
     lib.decoder_stack_workspace.restype = ctypes.c_int64
     lib.q4g_use_bf16_dot(_bf16_mode())
+    how = _BF16_HOW.get(lib.q4g_bf16_native(), "?")
+    logger.info("CPU kernels loaded; the q4 kernels take bf16 rows %s", how)
     return lib
 
 
 # How the q4 column-group kernels multiply bf16 rows (csrc/quant_q4g.h's Q4G_BF16_*).
 BF16_MODES = {"off": 0, "on": 1, "i16": 2}
+_BF16_HOW = {  # q4g_bf16_native() -> words for the load's log line
+    0: "widened to fp32",
+    1: "through VDPBF16PS",
+    2: "as exact int16 planes (VPDPWSSD)",
+}
 
 
 def _bf16_mode() -> int:

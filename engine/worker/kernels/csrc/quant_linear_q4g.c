@@ -342,7 +342,6 @@ static void group_bf16(const uint16_t *x, int64_t xs, const uint8_t *gp, int64_t
 }
 #endif
 
-
 /* ---- bf16 rows as exact int16 planes (Q4G_BF16_I16) ----------------------------------- */
 
 /* A bf16 value is an integer m (its 8-bit significand, the implicit bit included) times
@@ -359,8 +358,8 @@ static void group_bf16(const uint16_t *x, int64_t xs, const uint8_t *gp, int64_t
  * them and the caller widens the rows to fp32 instead.
  *
  * Why: on an Intel Xeon (6/207/2) the fp32 kernel's table permutes and FMAs take 12
- * instructions per 64 weights; here a chunk costs a widening, 3 shifts/ternary ops, an OR,
- * an AND and 2 VPDPWSSD per row (2 more for the rows whose block needs plane 2); VPDPWSSD
+ * instructions per 64 weights; here a chunk costs a widening, 2 shifts, a ternary op, an
+ * OR, an AND and 2 VPDPWSSD per row (2 more for the rows whose block needs plane 2); VPDPWSSD
  * issues on two ports, the permutes on one (docs/quantization.md). */
 
 #if defined(G_I16)
@@ -397,8 +396,8 @@ int q4g_i16_prep(const uint16_t *x, int64_t xs, int64_t M, int64_t nb, int16_t *
                 _mm512_cvtepu16_epi32(_mm512_castsi512_si256(En)),
                 _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(En, 1)));
             const int emax = _mm512_reduce_max_epu32(e32);
-            int16_t *p1 = x1 + (r * nb + b) * QBLOCK, *p2 = x2 + (r * nb + b) * QBLOCK;
             const int64_t rb = r * nb + b;
+            int16_t *p1 = x1 + rb * QBLOCK, *p2 = x2 + rb * QBLOCK;
             if (!nz) { /* all zeros */
                 _mm512_storeu_si512(p1, zero);
                 _mm512_storeu_si512(p2, zero);
@@ -607,6 +606,7 @@ int quant_linear_bf16(const uint16_t *x, int64_t xs, const uint8_t *w, int kind,
         return widened_bf16(x, xs, w, kind, N, K, bias, y, ys, M, num_threads);
     const int64_t nb = K / QBLOCK;
     if (q4g_bf16_native() == Q4G_BF16_I16) {
+        /* block sums, then the planes' two scales per row and block */
         float *sums = (float *)malloc(sizeof(float) * (size_t)(M * nb * 3));
         int16_t *planes = (int16_t *)malloc(sizeof(int16_t) * (size_t)(2 * M * K));
         uint8_t *two = (uint8_t *)malloc((size_t)(M * nb));

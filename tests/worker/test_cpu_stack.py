@@ -1,7 +1,7 @@
 """The one-call decoder stack (engine/worker/models/cpu_stack.py) computes bitwise what the
 op-by-op CPU forward computes: logits and KV caches equal under decode steps of several
 requests, short verify-like chunks and a sliding window, in fp32 and bf16, on q4 column
-groups and q8 blocks; steps outside it (many rows, a long prefill chunk) and models outside
+groups and q8 blocks, and on bf16 weights in AMX tiles where the CPU has them; steps outside it (many rows, a long prefill chunk) and models outside
 it (LoRA-wrapped, int8 activations) take the op-by-op path."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from engine.config import LoRAConfig, ModelConfig
 from engine.worker.attention.torch_paged import TorchPagedBackend
+from engine.worker.kernels import amx_linear
 from engine.worker.kernels import quant as qkernels
 from engine.worker.kernels import stack as kstack
 from engine.worker.lora.model_lora import ModelLoRA
@@ -69,6 +70,16 @@ def _run(loaded, steps, stack_on: bool, monkeypatch) -> tuple[list, list, int]:
         ("llama", "int4", "bfloat16", None),
         ("qwen2", "int8", "float32", None),  # q8 blocks and a q/k/v bias
         ("mistral", "int4", "bfloat16", 3),  # a sliding window
+        *(
+            pytest.param(
+                arch,
+                "none",
+                "bfloat16",
+                window,
+                marks=pytest.mark.skipif(not amx_linear.available(), reason="no AMX tiles here"),
+            )
+            for arch, window in (("llama", None), ("qwen2", None), ("mistral", 3))
+        ),  # bf16 weights on AMX tiles (qwen2: a bf16 q/k/v bias)
     ],
 )
 def test_stack_equals_the_op_by_op_forward_bitwise(

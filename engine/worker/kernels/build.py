@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     "paged_attention.c", "fused_ops.c", "cache_write.c", "quant_linear.c", "quant_linear_i8.c",
-    "quant_linear_q4g.c", "decoder_stack.c", "prefill_attention.c",
+    "quant_linear_q4g.c", "decoder_stack.c", "prefill_attention.c", "amx_linear.c",
 )  # fmt: skip
 FLAGS = [
     "-O3",
@@ -70,6 +70,9 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
     "argmax_rows_bf16": [_ptr, _i64, _i64, _i64, _ptr, _i32],
     "prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                           _i32, _i32, _i32, _f32, _i32, _i32],
+    "amx_bf16_ready": [],
+    "amx_bf16_pack": [_ptr, _i64, _i64, _ptr],
+    "amx_bf16_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32],
     "screen_rows_bf16": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _f32, _i64, _ptr,
                          _ptr, _i32],
 }  # fmt: skip
@@ -77,6 +80,7 @@ SIGNATURES = {  # name -> argtypes; every function returns int or nothing
 _RETURNS_INT = (
     "paged_attention", "quant_linear", "quant_linear_i8", "quant_linear_rounded",
     "quant_linear_bf16", "q4g_bf16_native", "decoder_stack", "prefill_attention", "q4g_i16_prep",
+    "amx_bf16_ready",
 )  # fmt: skip
 
 _lock = threading.Lock()

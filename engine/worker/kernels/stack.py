@@ -13,6 +13,7 @@ from ctypes import POINTER, c_float, c_int, c_int64, c_void_p
 from engine.worker.kernels.build import library
 
 LINEARS = 4  # qkv, o, gate_up, down
+AMX_BF16_KIND = 32  # csrc/decoder_stack.c: a bf16 weight in csrc/amx_linear.c's tile layout
 
 
 class StackLayer(ctypes.Structure):

@@ -17,6 +17,18 @@ fp32 accumulation). There the packed path wins at every row count (measured on t
 shapes, 2 threads, AVX-512-BF16: 1 row 1.8-2.2x, 4 rows 1.3-16x, 64 rows 1.1-2.2x over
 `F.linear`, which re-packs per call), so bf16 inputs always take it.
 
+On a CPU with AMX, bf16 weights whose shapes fit the tiles are packed for our own AMX
+kernel instead (kernels/amx_linear.py, csrc/amx_linear.c) and steps of up to
+`AMX_MAX_ROWS` rows take it; larger steps (prefill chunks) take F.linear on the dense
+weight, which the layer keeps anyway, so memory is what the oneDNN copy took. Measured on a
+2-core Xeon with AMX (6/207/2), llama50m's shapes, weights in cache, median us, kernel /
+oneDNN packed: 1 row 9-35 / 23-53, 4 rows 11-44 / 26-51, 64 rows 20-109 / 40-132, 128
+rows 37-234 / 52-234, 512 rows 121-815 / 218-666, and F.linear 258-917 there; at 2,048
+rows the kernel ran 0.85-1.07x F.linear and 0.5-0.9x oneDNN (oneDNN's blocking wins once the
+GEMM is compute bound). A decode step's 32 layer GEMMs at 64 rows, weights from memory:
+2.7-3.2 ms against oneDNN's 3.6-3.8 ms (bench: `python bench/amx_linear.py`).
+`APPLIANCE_AMX_LINEAR=off` keeps oneDNN.
+
 Results differ from MKL's in the last bits (different blocking), so `runtime.cpu_kernels:
 false` keeps plain `F.linear` for bit-level comparisons.
 """
@@ -26,10 +38,13 @@ from __future__ import annotations
 import functools
 import logging
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.worker.kernels import amx_linear
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +53,23 @@ logger = logging.getLogger(__name__)
 # faster, 4+ oneDNN faster); on other vendors MKL takes no fast path and oneDNN wins at once.
 SMALL_ROWS_INTEL = 4
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# bf16 steps of at most this many rows take the AMX kernel; larger ones F.linear (see above).
+AMX_MAX_ROWS = 512
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A bf16 weight in the AMX kernel's tile layout, with the dense weight it came from
+    (the layer's own tensor, not a copy) for steps above AMX_MAX_ROWS; None: the kernel
+    takes every row count."""
+
+    tiles: torch.Tensor
+    dense: torch.Tensor | None
+    out_features: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tiles.dtype
 
 
 def small_rows(dtype: torch.dtype) -> int:
@@ -73,7 +105,7 @@ def packing_available(dtype: torch.dtype = torch.float32) -> bool:
 @functools.cache
 def _can_pack(dtype: torch.dtype) -> bool:
     try:
-        packed = pack_weight(torch.zeros(8, 8, dtype=dtype))
+        packed = pack_weight(torch.zeros(8, 8, dtype=dtype), amx=False)
         packed_linear(torch.zeros(1, 8, dtype=dtype), packed, None, 8)
     except RuntimeError as exc:
         logger.info("oneDNN cannot pack %s weights on this CPU (%s)", dtype, exc)
@@ -81,15 +113,25 @@ def _can_pack(dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A oneDNN-reordered copy of a dense [out, in] fp32/bf16 weight, for `packed_linear`."""
+def pack_weight(weight: torch.Tensor, amx: bool = True) -> torch.Tensor | AmxWeight:
+    """A packed copy of a dense [out, in] fp32/bf16 weight, for `packed_linear`: the AMX
+    kernel's tiles for a bf16 weight where `amx` and the CPU allow (keeping `weight` for large
+    steps), oneDNN's reordered weight otherwise."""
+    n, k = weight.shape
+    if (
+        amx and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        and amx_linear.supports(n, k) and amx_linear.available()
+    ):  # fmt: skip
+        return AmxWeight(amx_linear.pack(weight), weight.detach(), n)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
 def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    x: torch.Tensor, packed: torch.Tensor | AmxWeight, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """x [..., in] @ packed^T (+ bias) -> [..., out]."""
+    if isinstance(packed, AmxWeight):
+        return _amx_linear(x, packed, bias)
     if x.dim() != 2:
         lead = x.shape[:-1]
         y = torch.ops.mkldnn._linear_pointwise(
@@ -97,6 +139,15 @@ def packed_linear(
         )
         return y.view(*lead, out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _amx_linear(x: torch.Tensor, w: AmxWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows > AMX_MAX_ROWS and w.dense is not None:
+        return F.linear(x, w.dense, bias)
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    y = amx_linear.linear(x2, w.tiles, bias, w.out_features)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.out_features)
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

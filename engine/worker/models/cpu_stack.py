@@ -13,8 +13,10 @@ back otherwise (`run` returns None):
 - the model (checked once, on the first forward, after LoRA has wrapped what it wraps):
   one tensor-parallel rank, no q/k norm, every q/k/v, o, gate/up and down projection a
   plain `QuantLinear` of q4 column groups, q4 or q8 blocks with the kernel library and
-  float activations (not int8), activations fp32 or bf16;
-- the step: fewer rows than `dense_rows` (the block kernels' side of the row rule), the
+  float activations (not int8), or a plain bf16 linear packed for the AMX kernel
+  (models/cpu_linear.py's `AmxWeight`); activations fp32 or bf16;
+- the step: fewer rows than `dense_rows` (the block kernels' side of the row rule) and at
+  most `AMX_MAX_ROWS` where AMX linears are in the stack (theirs), the
   torch paged backend attending every row with its native kernel (decode rows, short
   verify chunks; no prefill chunk, no padding), a KV cache in the activations' dtype the
   kernel supports.
@@ -30,9 +32,12 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine.worker.kernels import attention as native
 from engine.worker.kernels import stack as kstack
+from engine.worker.models.cpu_linear import AMX_MAX_ROWS, AmxWeight
+from engine.worker.models.layers import FusedLinear
 from engine.worker.quant.blocks import Q4, Q4G, Q8
 from engine.worker.quant.linear import QuantLinear, dense_rows
 
@@ -50,6 +55,13 @@ def _linears(layer) -> list[Any]:
     return [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
 
 
+def _amx(lin) -> bool:
+    """A plain (not LoRA-wrapped) bf16 linear whose weight is packed for the AMX kernel."""
+    return type(lin) in (nn.Linear, FusedLinear) and isinstance(
+        getattr(lin, "packed_weight", None), AmxWeight
+    )
+
+
 def unsupported(model) -> str | None:
     """Why `model` cannot run as one stack (None: it can)."""
     if disabled_by_env():
@@ -63,7 +75,9 @@ def unsupported(model) -> str | None:
         return f"activations in {dtype}"
     for layer in model.model.layers:
         for lin in _linears(layer):
-            if type(lin) is not QuantLinear:  # LoRA wrappers, fp8, plain float linears
+            if _amx(lin) and dtype == torch.bfloat16:
+                continue
+            if type(lin) is not QuantLinear:  # LoRA wrappers, fp8, other float linears
                 return f"a {type(lin).__name__} projection"
             if lin.kind not in _KINDS or not lin._bound or lin.int8_activations:
                 return "a projection outside the block kernels"
@@ -82,7 +96,8 @@ class CpuStack:
         spec = model.attention_specs[0]
         cos, sin = m.rotary_emb.tables(self.dtype)
         layers = (kstack.StackLayer * len(m.layers))()
-        keep: list[torch.Tensor] = [cos, sin]  # pointers below stay valid while these live
+        keep: list[torch.Tensor] = [cos, sin]
+        amx = quant = False  # pointers below stay valid while these live
         for i, layer in enumerate(m.layers):
             s = layers[i]
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -90,12 +105,22 @@ class CpuStack:
             keep += [w1, w2]
             s.ln1, s.ln2, s.eps1, s.eps2 = w1.data_ptr(), w2.data_ptr(), ln1.eps, ln2.eps
             for j, lin in enumerate(_linears(layer)):
-                s.w[j], s.kind[j] = lin.qdata.data_ptr(), lin.kind
+                if isinstance(lin, QuantLinear):
+                    s.w[j], s.kind[j] = lin.qdata.data_ptr(), lin.kind
+                    keep.append(lin.qdata)
+                    quant = True
+                else:  # AMX tiles (`_amx`); the bias, if any, in the weight's bf16
+                    s.w[j], s.kind[j] = lin.packed_weight.tiles.data_ptr(), kstack.AMX_BF16_KIND
+                    keep.append(lin.packed_weight.tiles)
+                    amx = True
                 s.bias[j] = lin.bias.data_ptr() if lin.bias is not None else None
-                keep.append(lin.qdata)
             s.window = int(model.attention_specs[i].sliding_window or 0)
         self._keep = keep
         self.layers = layers
+        # The most rows a step may have: the block kernels' side of their rule, AMX's limit.
+        self.max_rows = min(
+            dense_rows(self.dtype) - 1 if quant else AMX_MAX_ROWS, AMX_MAX_ROWS if amx else 1 << 62
+        )
         self.model = kstack.StackModel(
             n_layers=len(m.layers), hidden=m.norm.weight.shape[0], heads=spec.num_heads,
             kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
@@ -129,7 +154,7 @@ class CpuStack:
         T = h.shape[0]
         md = ctx.attn_metadata
         items_of = getattr(ctx.backend, "native_items", None)
-        if not 0 < T < dense_rows(self.dtype) or items_of is None or md.num_tokens != T:
+        if not 0 < T <= self.max_rows or items_of is None or md.num_tokens != T:
             return None
         if h.dtype != self.dtype or not h.is_contiguous() or not self._bind_caches(ctx.kv_caches):
             return None

@@ -29,6 +29,8 @@ from engine.worker.attention.base import AttentionLayerSpec, ForwardContext
 from engine.worker.kernels import fused
 from engine.worker.models import cpu_fused
 from engine.worker.models.cpu_linear import (
+    AMX_MAX_ROWS,
+    AmxWeight,
     pack_linears,
     pack_weight,
     packed_linear,
@@ -239,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
         self._shard_plan = (
             LlamaShardPlan(hf_config, heads, self.head_dim, tp) if tp.size > 1 else None
         )
-        self._packed_embedding: torch.Tensor | None = None  # tied LM head, packed
+        self._packed_embedding: torch.Tensor | AmxWeight | None = None  # tied LM head, packed
         self._cpu_fused = False  # forward through models/cpu_fused.py
         # fp32 on a CPU with native bf16: greedy rows' argmax without the fp32 logits.
         self.greedy_screen: GreedyScreen | None = None
@@ -261,8 +263,11 @@ class LlamaForCausalLM(nn.Module):
                 self.greedy_screen = build_greedy_screen(head[: self.vocab_size])
         if self._cpu_fused:
             self.model.rotary_emb.tables(probe.dtype)  # converted once, before any capture
+        amx = sum(isinstance(getattr(m, "packed_weight", None), AmxWeight) for m in self.modules())
+        amx += isinstance(self._packed_embedding, AmxWeight)
+        how = f" ({amx} on AMX tiles up to {AMX_MAX_ROWS} rows)" if amx else ""
         return (
-            f"{count} {str(probe.dtype).removeprefix('torch.')} linear weights packed, "
+            f"{count} {str(probe.dtype).removeprefix('torch.')} linear weights packed{how}, "
             f"fused elementwise kernels {self._cpu_fused}, "
             f"greedy LM-head screen {self.greedy_screen is not None}"
         )

@@ -17,7 +17,8 @@
  *
  * `res` starts as the embeddings (the caller's tensor, updated in place) and `out` ends as
  * the last MLP output; the caller applies the final norm to both, as the per-op path does.
- * Linears are q4 column groups, q4 or q8 blocks (no LoRA, one tensor-parallel rank);
+ * Linears are q4 column groups, q4 or q8 blocks, or bf16 weights on AMX tiles
+ * (csrc/amx_linear.c; no LoRA, one tensor-parallel rank);
  * attention is the native paged kernel over every row of the step (decode rows and short
  * verify chunks); activations and the KV cache are fp32, or bf16 throughout.
  */
@@ -47,6 +48,12 @@ void quant_linear_body(const float *x, int64_t xs, const uint8_t *w, int kind, i
                        int64_t K, const float *bias, float *y, int64_t ys, int64_t M,
                        const float *sums);
 void quant_block_sums(const float *x, int64_t xs, int64_t M, int64_t nb, float *sums);
+void amx_bf16_linear_body(const uint16_t *x, int64_t ldx, const uint16_t *wp,
+                          const uint16_t *bias, uint16_t *out, int64_t ldo, int64_t M, int64_t N,
+                          int64_t K);
+
+/* A bf16 weight in csrc/amx_linear.c's tile layout (its bias, if any, bf16 too). */
+#define AMX_BF16_KIND 32
 
 enum { QKV, O, GATE_UP, DOWN };
 
@@ -54,8 +61,8 @@ typedef struct { /* engine/worker/models/cpu_stack.py: StackLayer */
     const void *ln1, *ln2; /* RMSNorm weights, in the activations' dtype */
     float eps1, eps2;
     const uint8_t *w[4]; /* qkv, o, gate_up, down: blocks of kind[i] */
-    int kind[4];         /* 4 (q4), 8 (q8), Q4G_KIND */
-    const float *bias[4];
+    int kind[4];         /* 4 (q4), 8 (q8), Q4G_KIND, AMX_BF16_KIND */
+    const void *bias[4]; /* fp32; bf16 for AMX_BF16_KIND */
     void *kv_cache; /* [blocks, 2, block_size, Hkv, D], the activations' dtype */
     int window;     /* <= 0: none */
 } stack_layer_t;
@@ -131,7 +138,12 @@ static void linear(const stack_model_t *m, const stack_layer_t *L, int which, co
                    int64_t K, int64_t N, void *y, int64_t T, const buffers_t *b) {
     const int kind = L->kind[which];
     const uint8_t *w = L->w[which];
-    const float *bias = L->bias[which];
+    if (kind == AMX_BF16_KIND) { /* bf16 rows (the model is bf16 throughout) */
+        amx_bf16_linear_body((const uint16_t *)x, K, (const uint16_t *)w,
+                             (const uint16_t *)L->bias[which], (uint16_t *)y, N, T, N, K);
+        return;
+    }
+    const float *bias = (const float *)L->bias[which];
     const int64_t nb = K / 32;
     if (m->bf16 && kind == Q4G_KIND && q4g_bf16_native() == Q4G_BF16_I16) {
         /* as quant_linear_bf16: the rows as int16 planes once, then every thread's groups */

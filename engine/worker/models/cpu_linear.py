@@ -21,13 +21,13 @@ On a CPU with AMX, bf16 weights whose shapes fit the tiles are packed for our ow
 kernel instead (kernels/amx_linear.py, csrc/amx_linear.c) and steps of up to
 `AMX_MAX_ROWS` rows take it; larger steps (prefill chunks) take F.linear on the dense
 weight, which the layer keeps anyway, so memory is what the oneDNN copy took. Measured on a
-2-core Xeon with AMX (6/207/2), llama50m's shapes, weights in cache, median us, kernel /
-oneDNN packed: 1 row 9-35 / 23-53, 4 rows 11-44 / 26-51, 64 rows 20-109 / 40-132, 128
-rows 37-234 / 52-234, 512 rows 121-815 / 218-666, and F.linear 258-917 there; at 2,048
-rows the kernel ran 0.85-1.07x F.linear and 0.5-0.9x oneDNN (oneDNN's blocking wins once the
-GEMM is compute bound). A decode step's 32 layer GEMMs at 64 rows, weights from memory:
-2.7-3.2 ms against oneDNN's 3.6-3.8 ms (bench: `python bench/amx_linear.py`).
-`APPLIANCE_AMX_LINEAR=off` keeps oneDNN.
+2-core Xeon with AMX (6/207/2), llama50m's shapes (qkv, o, gate/up, down), weights in
+cache, median us, kernel / oneDNN packed / F.linear: 1 row 12-33 / 29-49 / 44-110, 64 rows
+24-149 / 41-167 / 59-248, 512 rows 139-911 / 238-778 / 266-865; at 2,048 rows the kernel
+lost (583-4,176 / 486-2,880 / 487-2,764: once the GEMM is compute bound oneDNN's blocking
+wins, and F.linear's repacking is paid off). A decode step's 32 layer GEMMs at 64 rows with
+their weights coming from memory: 3.6 ms against oneDNN's 4.4 ms (`python bench/amx_linear.py`,
+bench/results/amx_linear.jsonl). `APPLIANCE_AMX_LINEAR=off` keeps oneDNN.
 
 Results differ from MKL's in the last bits (different blocking), so `runtime.cpu_kernels:
 false` keeps plain `F.linear` for bit-level comparisons.

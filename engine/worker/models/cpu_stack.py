@@ -96,8 +96,8 @@ class CpuStack:
         spec = model.attention_specs[0]
         cos, sin = m.rotary_emb.tables(self.dtype)
         layers = (kstack.StackLayer * len(m.layers))()
-        keep: list[torch.Tensor] = [cos, sin]
-        amx = quant = False  # pointers below stay valid while these live
+        keep: list[torch.Tensor] = [cos, sin]  # pointers below stay valid while these live
+        amx = quant = False
         for i, layer in enumerate(m.layers):
             s = layers[i]
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm

@@ -150,6 +150,13 @@ def _amx_linear(x: torch.Tensor, w: AmxWeight, bias: torch.Tensor | None) -> tor
     return y if x.dim() == 2 else y.view(*x.shape[:-1], w.out_features)
 
 
+def amx_summary(packed: list) -> str:
+    """ " (N on AMX tiles up to AMX_MAX_ROWS rows)" for the start-up line, "" when none are:
+    which format each packed weight took is this module's business, not the model's."""
+    n = sum(isinstance(w, AmxWeight) for w in packed)
+    return f" ({n} on AMX tiles up to {AMX_MAX_ROWS} rows)" if n else ""
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.numel() < small_rows(x.dtype) * x.shape[-1] or x.dtype != self.weight.dtype:
         return F.linear(x, self.weight, self.bias)  # also the empty input

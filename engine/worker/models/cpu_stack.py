@@ -75,7 +75,7 @@ def unsupported(model) -> str | None:
         return f"activations in {dtype}"
     for layer in model.model.layers:
         for lin in _linears(layer):
-            if _amx(lin) and dtype == torch.bfloat16:
+            if _amx(lin):  # bf16 tiles: the activations are bf16 too
                 continue
             if type(lin) is not QuantLinear:  # LoRA wrappers, fp8, other float linears
                 return f"a {type(lin).__name__} projection"
@@ -118,9 +118,8 @@ class CpuStack:
         self._keep = keep
         self.layers = layers
         # The most rows a step may have: the block kernels' side of their rule, AMX's limit.
-        self.max_rows = min(
-            dense_rows(self.dtype) - 1 if quant else AMX_MAX_ROWS, AMX_MAX_ROWS if amx else 1 << 62
-        )
+        limits = ([dense_rows(self.dtype) - 1] if quant else []) + ([AMX_MAX_ROWS] if amx else [])
+        self.max_rows = min(limits)
         self.model = kstack.StackModel(
             n_layers=len(m.layers), hidden=m.norm.weight.shape[0], heads=spec.num_heads,
             kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,

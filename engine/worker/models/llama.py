@@ -29,8 +29,8 @@ from engine.worker.attention.base import AttentionLayerSpec, ForwardContext
 from engine.worker.kernels import fused
 from engine.worker.models import cpu_fused
 from engine.worker.models.cpu_linear import (
-    AMX_MAX_ROWS,
     AmxWeight,
+    amx_summary,
     pack_linears,
     pack_weight,
     packed_linear,
@@ -263,9 +263,8 @@ class LlamaForCausalLM(nn.Module):
                 self.greedy_screen = build_greedy_screen(head[: self.vocab_size])
         if self._cpu_fused:
             self.model.rotary_emb.tables(probe.dtype)  # converted once, before any capture
-        amx = sum(isinstance(getattr(m, "packed_weight", None), AmxWeight) for m in self.modules())
-        amx += isinstance(self._packed_embedding, AmxWeight)
-        how = f" ({amx} on AMX tiles up to {AMX_MAX_ROWS} rows)" if amx else ""
+        packed = [getattr(m, "packed_weight", None) for m in self.modules()]
+        how = amx_summary([*packed, self._packed_embedding])
         return (
             f"{count} {str(probe.dtype).removeprefix('torch.')} linear weights packed{how}, "
             f"fused elementwise kernels {self._cpu_fused}, "
